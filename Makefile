@@ -1,0 +1,21 @@
+# Two entry points a newcomer needs; each creates the project virtualenv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[all]'
+	touch $@
+
+.PHONY: demo test slow
+demo: $(VENV)/.installed  ## train LeNet5 on the bundled MNIST sample with sinking
+	$(PY) -m sinkax train
+
+test: $(VENV)/.installed  ## lint + the fast test suite (what CI runs)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+slow: $(VENV)/.installed  ## the slow tests too
+	$(PY) -m pytest -q -m ''

@@ -1,0 +1,1 @@
+"""The data channel: dataset -> source -> producer thread -> ring of device-resident chunks."""

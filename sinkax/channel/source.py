@@ -1,0 +1,167 @@
+"""Batch sources: a dataset seen as an endless, checkpointable stream of batches.
+
+A source knows where it is (epoch, step within the epoch) and can save and restore that place,
+so a sink restored from a checkpoint continues with exactly the next batch.
+
+* a grain ``MapDataset`` is read as ``dataset.repeat(None)`` (grain reshuffles every epoch) through
+  grain's own checkpointable iterator: restoring is exact and costs nothing;
+* any other re-iterable (grain ``IterDataset`` or ``DataLoader``, a list, a generator factory) is
+  iterated once per epoch; its iterator's ``get_state``/``set_state`` is used when it has one,
+  otherwise a restore replays the epoch from its start up to the saved step.
+
+>>> src = as_source([{"x": i} for i in range(3)])
+>>> [next(src)["x"] for _ in range(4)], src.position
+([0, 1, 2, 0], Position(epoch=1, step=1))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import grain
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where the next batch comes from: epoch number and step within that epoch (both from 0)."""
+
+    epoch: int
+    step: int
+
+
+class Source(Protocol):
+    """What the data channel needs of a dataset."""
+
+    epoch_length: int | None
+    position: Position
+
+    def __next__(self) -> Any: ...
+    def get_state(self) -> dict[str, Any]: ...
+    def set_state(self, state: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def _known_length(dataset: Any) -> int | None:
+    try:
+        n = len(dataset)
+    except TypeError:
+        return None
+    return None if n >= sys.maxsize else n
+
+
+def _empty_error(dataset: Any) -> ValueError:
+    return ValueError(f"The dataset {type(dataset).__name__} yielded no batch: it is empty.")
+
+
+class MapDatasetSource:
+    """A grain ``MapDataset`` read endlessly with per-epoch reshuffling."""
+
+    def __init__(self, dataset: grain.MapDataset, read_options: grain.ReadOptions | None = None):
+        self.epoch_length = _known_length(dataset)
+        if self.epoch_length == 0:
+            raise _empty_error(dataset)
+        endless = dataset if self.epoch_length is None else dataset.repeat(None)
+        self._iterable = endless.to_iter_dataset(read_options)
+        self._iterator = iter(self._iterable)
+        self._next_index = 0
+
+    @property
+    def position(self) -> Position:
+        if self.epoch_length is None:
+            return Position(0, self._next_index)
+        return Position(*divmod(self._next_index, self.epoch_length))
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        self._next_index += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next_index": self._next_index}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.close()
+        self._iterator = iter(self._iterable)
+        self._iterator.set_state({"next_index": state["next_index"]})
+        self._next_index = state["next_index"]
+
+    def close(self) -> None:
+        self._iterator.close()
+        # grain's close() shuts its prefetch pool down without waiting; wait, so that no
+        # thread outlives the sink.
+        executor = getattr(self._iterator, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+
+class IterableSource:
+    """Any re-iterable: one pass is one epoch, iterated again for the next."""
+
+    def __init__(self, dataset: Iterable[Any]):
+        self.epoch_length = _known_length(dataset)
+        if self.epoch_length == 0:
+            raise _empty_error(dataset)
+        self._dataset = dataset
+        self._iterator: Iterator[Any] = iter(dataset)
+        self.position = Position(0, 0)
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            if self.position.step == 0:
+                raise _empty_error(self._dataset) from None
+            self._restart_epoch(self.position.epoch + 1)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                raise _empty_error(self._dataset) from None
+        self.position = Position(self.position.epoch, self.position.step + 1)
+        return batch
+
+    def _restart_epoch(self, epoch: int) -> None:
+        self.close()
+        self._iterator = iter(self._dataset)
+        if self._iterator is self._dataset:
+            raise ValueError(
+                f"The dataset {type(self._dataset).__name__} is a one-shot iterator, so it cannot "
+                "be traversed again for the next epoch. Pass a re-iterable instead (a list, a "
+                "grain "
+                "MapDataset/IterDataset/DataLoader, or an object whose __iter__ starts a new pass)."
+            )
+        self.position = Position(epoch, 0)
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = dataclasses.asdict(self.position)
+        if hasattr(self._iterator, "get_state"):
+            state["iterator"] = self._iterator.get_state()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.close()
+        self._iterator = iter(self._dataset)
+        self.position = Position(state["epoch"], 0)
+        if "iterator" in state and hasattr(self._iterator, "set_state"):
+            self._iterator.set_state(state["iterator"])
+            self.position = Position(state["epoch"], state["step"])
+        else:  # no checkpointable iterator: replay this epoch up to the saved step
+            for _ in range(state["step"]):
+                next(self)
+
+    def close(self) -> None:
+        getattr(self._iterator, "close", lambda: None)()
+
+
+def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> Source:
+    """The :class:`Source` reading ``dataset``; raises ``TypeError`` for what is not iterable."""
+    if isinstance(dataset, grain.MapDataset):
+        return MapDatasetSource(dataset, read_options)
+    if not isinstance(dataset, Iterable):
+        raise TypeError(
+            f"dataset must be a grain MapDataset/IterDataset/DataLoader or a re-iterable of "
+            f"pytrees of arrays, got {type(dataset).__name__}."
+        )
+    return IterableSource(dataset)

@@ -1,0 +1,94 @@
+"""``set_context``/``get_context``: process-wide defaults, as in MindSpore.
+
+* ``mode``: ``GRAPH_MODE`` (sinks are compiled, ``jax.jit``) or ``PYNATIVE_MODE`` (steps run
+  eagerly, for debugging); the default of every sink's ``jit``.
+* ``device_target`` / ``device_id``: the JAX platform and device (``sinkax.backend``); also made
+  JAX's default device.
+* ``save_graphs``: ``False`` or a folder; every sink executable's StableHLO and optimised HLO is
+  written there.
+* ``enable_profiling`` / ``profiling_options``: ``Model.train`` records a ``jax.profiler`` trace
+  (TensorBoard/Perfetto) into ``profiling_options["result_path"]``.
+
+>>> set_context(mode=PYNATIVE_MODE); get_context("mode") == PYNATIVE_MODE
+True
+>>> set_context(mode=GRAPH_MODE)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from sinkax.backend import resolve_device
+
+GRAPH_MODE = 0
+PYNATIVE_MODE = 1
+
+
+@dataclasses.dataclass
+class Context:
+    """The settings :func:`set_context` changes."""
+
+    mode: int = GRAPH_MODE
+    device_target: str | None = None
+    device_id: int = 0
+    save_graphs: bool | str = False
+    enable_profiling: bool = False
+    profiling_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_context = Context()
+
+
+def set_context(**settings: Any) -> None:
+    """Change the settings named (see the module docstring); unknown names are an error."""
+    known = {f.name for f in dataclasses.fields(Context)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"Unknown context setting(s) {unknown}; known: {sorted(known)}.")
+    if settings.get("mode", GRAPH_MODE) not in (GRAPH_MODE, PYNATIVE_MODE):
+        raise ValueError("mode must be sinkax.GRAPH_MODE or sinkax.PYNATIVE_MODE.")
+    options = settings.get("profiling_options", {})
+    if isinstance(options, str):  # MindSpore passes a JSON string
+        settings["profiling_options"] = json.loads(options)
+    if "device_target" in settings or "device_id" in settings:
+        target = settings.get("device_target", _context.device_target)
+        device = resolve_device(target, settings.get("device_id", _context.device_id))
+        jax.config.update("jax_default_device", device)
+    for name, value in settings.items():
+        setattr(_context, name, value)
+
+
+def get_context(key: str | None = None) -> Any:
+    """One setting by name, or a copy of all of them."""
+    return dataclasses.replace(_context) if key is None else getattr(_context, key)
+
+
+def default_device() -> jax.Device:
+    """The device the context selects."""
+    return resolve_device(_context.device_target, _context.device_id)
+
+
+def graphs_folder() -> str | None:
+    """Where ``save_graphs`` writes, or ``None``."""
+    if _context.save_graphs is True:
+        return "graphs"
+    return _context.save_graphs or None
+
+
+@contextlib.contextmanager
+def profiling() -> Iterator[None]:
+    """A ``jax.profiler`` trace of the block when ``enable_profiling`` is set."""
+    if not _context.enable_profiling:
+        yield
+        return
+    path = _context.profiling_options.get("result_path", "profiler")
+    os.makedirs(path, exist_ok=True)
+    with jax.profiler.trace(path):
+        yield

@@ -1,0 +1,389 @@
+"""``data_sink``: many steps of a step function per host interaction.
+
+A :class:`Sink` binds a step function to a dataset. Each call runs ``sink_size`` steps on the
+device -- one compiled executable over a chunk of batches that a background producer has
+already stacked and copied to the device (:mod:`sinkax.channel`) -- and returns the new state
+and every step's output stacked on a leading axis. Consecutive calls continue through the data
+exactly where the last one stopped; one call may cross epoch boundaries.
+
+>>> import numpy as np, sinkax
+>>> data = [{"x": np.float32(i)} for i in range(4)]
+>>> with sinkax.data_sink(lambda s, b: (s + b["x"], s), data, sink_size=3) as sink:
+...     total, seen = sink(np.float32(0))
+...     print(float(total), seen.tolist(), sink.epoch, sink.step)
+3.0 [0.0, 0.0, 1.0] 0 3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import numbers
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+
+from sinkax import context
+from sinkax import strategy as strategies
+from sinkax.channel.ring import Chunk, DeviceRing
+from sinkax.channel.source import Position, as_source
+from sinkax.errors import SinkClosedError, SinkTimeoutError
+from sinkax.executable import Compiler, scan_program
+from sinkax.spec import BatchSpec
+
+_NO_STATE: Any = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkStats:
+    """What a sink has done so far.
+
+    ``data_wait_s`` is time the caller waited for data (input-bound); ``slot_wait_s`` is time the
+    producer waited for a free device slot (compute-bound).
+    """
+
+    steps: int
+    calls: int
+    dispatches: int
+    compiles: int
+    chunks_transferred: int
+    bytes_transferred: int
+    max_chunks_on_device: int
+    data_wait_s: float
+    slot_wait_s: float
+    strategy: str
+    strategy_timings: dict[str, float]
+
+    @property
+    def bound(self) -> str:
+        """``"input"`` if the sink waited for data longer than the producer waited for room."""
+        return "input" if self.data_wait_s > self.slot_wait_s else "compute"
+
+
+def plan_chunks(
+    sink_size: int, epoch_length: int | None, max_steps: int, start_step: int
+) -> Iterator[tuple[int, bool]]:
+    """Endless ``(steps, ends_call)`` of successive chunks: each call split into chunks.
+
+    ``sink_size=-1`` makes each call the rest of the current epoch (a whole one after the first).
+
+    >>> from itertools import islice
+    >>> list(islice(plan_chunks(5, None, 2, 0), 4))
+    [(2, False), (2, False), (1, True), (2, False)]
+    """
+    step = start_step
+    while True:
+        total = sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
+        step = 0
+        full, rest = divmod(total, max_steps)
+        sizes = [max_steps] * full + ([rest] if rest else [])
+        for j, steps in enumerate(sizes):
+            yield steps, j == len(sizes) - 1
+
+
+def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
+    if (
+        isinstance(sink_size, bool)
+        or not isinstance(sink_size, numbers.Integral)
+        or not (sink_size > 0 or sink_size == -1)
+    ):
+        raise ValueError(
+            f"sink_size must be a positive int (steps per call) or -1 (one epoch per call), "
+            f"got {sink_size!r}."
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 1:
+        raise ValueError(f"prefetch must be an int >= 1 (chunks ready ahead), got {prefetch!r}.")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}.")
+    if not max_chunk_bytes > 0:
+        raise ValueError(f"max_chunk_bytes must be > 0, got {max_chunk_bytes!r}.")
+
+
+class Sink:
+    """A step function bound to a dataset; see :func:`data_sink`."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        dataset: Any,
+        sink_size: int = 1,
+        *,
+        jit: bool | None = None,
+        strategy: str = "auto",
+        prefetch: int = 2,
+        max_chunk_bytes: int = 256 << 20,
+        timeout: float = 60.0,
+        device: jax.Device | None = None,
+        save_graphs: str | os.PathLike[str] | None = None,
+        read_options: grain.ReadOptions | None = None,
+        data_state: dict[str, Any] | None = None,
+    ):
+        _validate(sink_size, prefetch, timeout, max_chunk_bytes)
+        self.fn = fn
+        self.sink_size = int(sink_size)
+        self.jit = context.get_context("mode") == context.GRAPH_MODE if jit is None else jit
+        self.timeout = float(timeout)
+        self.prefetch = int(prefetch)
+        self.max_chunk_bytes = int(max_chunk_bytes)
+        self.device = device or context.default_device()
+        self._source = as_source(dataset, read_options)
+        if self.sink_size == -1 and self._source.epoch_length is None:
+            raise ValueError(
+                f"sink_size=-1 runs one epoch per call, which needs a dataset of known length; "
+                f"{type(dataset).__name__} has no len(). Pass sink_size > 0 (steps per call) or a "
+                "sized dataset (a grain MapDataset, a list)."
+            )
+        name = getattr(fn, "__name__", type(fn).__name__).strip("<>")
+        self._compiler = Compiler(name, save_graphs or context.graphs_folder())
+        if strategy not in strategies.NAMES:
+            raise ValueError(f"strategy must be one of {strategies.NAMES}, got {strategy!r}.")
+        self._strategy_name = strategy
+        self._strategy: Any = None
+        self._stateful: bool | None = None
+        self._in_flight: tuple[Any, Any] | None = None
+        self._resync = False
+        self._closed = False
+        self._steps = self._calls = self._dispatches = 0
+        self._data_wait_s = self._busy_s = 0.0
+        if data_state is not None:
+            self._source.set_state(data_state["source"])
+        self._committed = self._snapshot()
+        self._start_ring()
+
+    # -- data channel --------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        position = self._source.position
+        return {"epoch": position.epoch, "step": position.step, "source": self._source.get_state()}
+
+    def _plan(self, spec: BatchSpec, start: Position) -> Iterator[tuple[int, bool]]:
+        max_steps = max(1, self.max_chunk_bytes // max(1, spec.nbytes))
+        return plan_chunks(self.sink_size, self._source.epoch_length, max_steps, start.step)
+
+    def _start_ring(self) -> None:
+        self._ring = DeviceRing(
+            self._source, self._plan, prefetch=self.prefetch, device=self.device
+        )
+        self._finalizer = weakref.finalize(self, self._ring.close)
+
+    def _stop_ring(self) -> None:
+        self._finish_in_flight()
+        self._finalizer.detach()
+        self._ring.close()
+
+    def data_state(self) -> dict[str, Any]:
+        """Where the next call starts reading: ``{"epoch", "step", "source"}``, JSON-friendly.
+
+        Pass it to :meth:`restore_data_state` (or ``data_sink(..., data_state=...)``) to continue
+        with exactly the next batch, none repeated and none skipped.
+        """
+        return dict(self._committed)
+
+    def restore_data_state(self, state: dict[str, Any]) -> None:
+        """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
+        self._check_open()
+        self._stop_ring()
+        self._source.set_state(state["source"])
+        self._committed = self._snapshot()
+        self._resync = False
+        self._start_ring()
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch (from 0)."""
+        return self._committed["epoch"]
+
+    @property
+    def step(self) -> int:
+        """Step within :attr:`epoch` of the next batch (from 0)."""
+        return self._committed["step"]
+
+    @property
+    def epoch_length(self) -> int | None:
+        """Batches per epoch, when the dataset's length is known."""
+        return self._source.epoch_length
+
+    # -- execution -----------------------------------------------------------------------
+    def _strategy_for(self, stateful: bool) -> Any:
+        if self._stateful is None:
+            self._stateful = stateful
+            fn = self.fn if stateful else (lambda state, batch: (state, self.fn(batch)))
+            self._strategy = strategies.make(self._strategy_name, fn, self._compiler, jit=self.jit)
+        elif self._stateful != stateful:
+            form = "sink(state)" if self._stateful else "sink()"
+            raise TypeError(f"This sink was first called as {form}; call it the same way again.")
+        return self._strategy
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the last dispatched chunk's compute, then free its device slot."""
+        if self._in_flight is None:
+            return
+        with contextlib.suppress(RuntimeError):  # outputs donated or deleted: compute is over
+            jax.block_until_ready(self._in_flight)
+        self._in_flight = None
+        self._ring.release()
+
+    def _next_chunk(self) -> Chunk:
+        t0 = time.perf_counter()
+        try:
+            return self._ring.get(self.timeout)
+        except SinkTimeoutError:
+            raise SinkTimeoutError(self._timeout_message()) from None
+        finally:
+            self._data_wait_s += time.perf_counter() - t0
+
+    def _timeout_message(self) -> str:
+        ring = self._ring.stats
+        produced = f"{ring.batches / ring.busy_s:.1f} batches/s" if ring.busy_s else "n/a"
+        consumed = f"{self._steps / self._busy_s:.1f} steps/s" if self._busy_s else "n/a"
+        return (
+            f"No data reached the sink within {self.timeout:.1f} s (waiting for epoch "
+            f"{self.epoch}, step {self.step}). The producer has delivered {ring.batches} batches "
+            f"at {produced}; the sink consumes {consumed}. The input pipeline is too slow or "
+            "stuck: speed it up (grain ReadOptions(num_threads=...), batch before heavy "
+            "transforms, vectorise them), raise `timeout=` if slow batches are expected, or "
+            "iterate the dataset directly (or dataset_sink_mode=False) to find the slow sample."
+        )
+
+    def __call__(self, state: Any = _NO_STATE) -> Any:
+        """Run ``sink_size`` steps; ``sink(state)`` gives ``(state, outs)``, ``sink()`` ``outs``.
+
+        ``outs`` stacks every step's output on a leading axis. The state is donated: use the
+        returned one. If the call fails or is interrupted, the state passed in stays valid.
+        """
+        self._check_open()
+        stateful = state is not _NO_STATE
+        run = self._strategy_for(stateful)
+        if self._resync:  # an interrupted call consumed data it never delivered: rewind
+            self.restore_data_state(self._committed)
+        carry = jax.device_put(state, self.device) if stateful else ()
+        t_call = time.perf_counter()
+        wait_before = self._data_wait_s
+        parts, consumed = [], 0
+        try:
+            while True:
+                self._finish_in_flight()
+                chunk = self._next_chunk()
+                consumed += 1
+                if (
+                    stateful
+                    and self.jit
+                    and not (chunk.ends_call and consumed == 1 and _atomic(run))
+                ):
+                    carry = jax.tree.map(jnp.copy, carry)  # keep the caller's state valid
+                carry, outs = run.run(carry, chunk.data)
+                self._in_flight = (carry, outs)
+                self._dispatches += _dispatches(run, chunk.steps)
+                self._steps += chunk.steps
+                parts.append(outs)
+                if chunk.ends_call:
+                    break
+        except BaseException:
+            self._resync = consumed > 0 and not self._ring.failed
+            raise
+        self._committed = {
+            "epoch": chunk.position.epoch,
+            "step": chunk.position.step,
+            "source": chunk.source_state,
+        }
+        self._calls += 1
+        self._busy_s += time.perf_counter() - t_call - (self._data_wait_s - wait_before)
+        outs = parts[0] if len(parts) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+        return (carry, outs) if stateful else outs
+
+    def lower(self, state: Any = _NO_STATE) -> jax.stages.Lowered:
+        """The scan executable of one chunk of this sink, lowered (``.as_text()`` is StableHLO).
+
+        ``state`` may be concrete or abstract (``jax.ShapeDtypeStruct``); omit it for a
+        stateless sink. Waits for the first batch to learn the batch layout.
+        """
+        spec = self._ring.first_spec(self.timeout)
+        steps = self.sink_size if self.sink_size > 0 else self.epoch_length
+        steps = min(steps, max(1, self.max_chunk_bytes // max(1, spec.nbytes)))  # type: ignore
+        if state is _NO_STATE:
+            program = scan_program(lambda s, b: (s, self.fn(b)))
+            return Compiler.lower(program, (), spec.stacked(steps))
+        return Compiler.lower(scan_program(self.fn), state, spec.stacked(steps))
+
+    @property
+    def stats(self) -> SinkStats:
+        """A snapshot of :class:`SinkStats`."""
+        ring = self._ring.stats
+        timings = getattr(self._strategy, "timings", {})
+        return SinkStats(
+            steps=self._steps,
+            calls=self._calls,
+            dispatches=self._dispatches,
+            compiles=self._compiler.compiles,
+            chunks_transferred=ring.chunks,
+            bytes_transferred=ring.bytes,
+            max_chunks_on_device=ring.max_chunks_on_device,
+            data_wait_s=self._data_wait_s,
+            slot_wait_s=ring.slot_wait_s,
+            strategy=self._strategy.name if self._strategy else self._strategy_name,
+            strategy_timings={k: v for k, v in timings.items() if math.isfinite(v)},
+        )
+
+    # -- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SinkClosedError("This sink is closed; create a new one with sinkax.data_sink.")
+
+    def close(self) -> None:
+        """Stop the producer thread and free the device chunks. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._stop_ring()
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _atomic(run: Any) -> bool:
+    """One dispatch per chunk and no blocking in between: an interrupt cannot split it."""
+    return isinstance(run, strategies.Scan) or (
+        isinstance(run, strategies.Auto) and isinstance(run.chosen, strategies.Scan)
+    )
+
+
+def _dispatches(run: Any, steps: int) -> int:
+    ran = run.last if isinstance(run, strategies.Auto) else run
+    return {"scan": 1, "loop": steps}.get(ran.name, 0)
+
+
+def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **options: Any) -> Sink:
+    """Bind ``fn`` to ``dataset`` so that each call runs ``sink_size`` steps on the device.
+
+    Args:
+      fn: ``fn(state, batch) -> (state, out)``, called as ``sink(state)``; or, stateless (eval,
+        predict), ``fn(batch) -> out``, called as ``sink()``.
+      dataset: a grain ``MapDataset``/``IterDataset``/``DataLoader`` or any re-iterable of
+        pytrees of arrays; one pass is one epoch. Every batch must match the first in
+        structure, shape and dtype.
+      sink_size: steps per call; ``-1`` is one epoch per call (needs a dataset of known length).
+        With ``sink_size > 0`` the data is traversed endlessly.
+      jit: ``True`` compiles (GRAPH mode), ``False`` runs eagerly (PYNATIVE, for debugging);
+        default from :func:`sinkax.set_context`.
+      strategy: ``"auto"`` (measure, keep the faster), ``"scan"`` or ``"loop"``
+        (see :mod:`sinkax.strategy`).
+      prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.
+      max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
+      timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.
+      device: where data and compute go (default from the context).
+      save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
+      read_options: ``grain.ReadOptions`` (threads, prefetch) for a grain ``MapDataset``.
+      data_state: a :meth:`Sink.data_state` to start from.
+
+    Returns:
+      a :class:`Sink`; close it (or use ``with``) to stop its producer thread.
+    """
+    return Sink(fn, dataset, sink_size, **options)

@@ -1,0 +1,85 @@
+"""The fixed layout every batch of a sink must have: tree structure, shapes and dtypes.
+
+A sink compiles one executable per batch layout, so every batch must match the first one.
+:func:`check` names the leaf that differs and how to fix it.
+
+>>> import numpy as np
+>>> spec = BatchSpec.of({"x": np.zeros((32, 4), np.float32)})
+>>> spec.nbytes
+512
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from sinkax.errors import BatchSpecError
+
+_FIX = (
+    "Every batch must match the first one. A smaller last batch usually means the dataset "
+    "needs `batch(batch_size, drop_remainder=True)`; a changed dtype needs an explicit cast "
+    "in the pipeline."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """Tree structure plus (path, shape, dtype) of each leaf of one batch."""
+
+    treedef: Any
+    paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+
+    @classmethod
+    def of(cls, batch: Any) -> BatchSpec:
+        """The spec of ``batch`` (a pytree of array-likes)."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        leaves = [np.asarray(leaf) for _, leaf in flat]
+        return cls(
+            treedef=treedef,
+            paths=tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in flat),
+            shapes=tuple(leaf.shape for leaf in leaves),
+            dtypes=tuple(leaf.dtype for leaf in leaves),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one batch."""
+        return sum(
+            int(np.prod(s, dtype=np.int64)) * d.itemsize
+            for s, d in zip(self.shapes, self.dtypes, strict=True)
+        )
+
+    def stacked(self, steps: int) -> Any:
+        """Abstract pytree (``jax.ShapeDtypeStruct``) of ``steps`` batches stacked."""
+        leaves = [
+            jax.ShapeDtypeStruct((steps, *s), d)
+            for s, d in zip(self.shapes, self.dtypes, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def check(spec: BatchSpec, batch: Any, where: str) -> list[np.ndarray]:
+    """The leaves of ``batch`` as numpy arrays; raises :class:`BatchSpecError` on any drift.
+
+    ``where`` says which batch this is (e.g. ``"epoch 0, step 57"``) for the message.
+    """
+    flat, treedef = jax.tree_util.tree_flatten(batch)
+    if treedef != spec.treedef:
+        raise BatchSpecError(
+            f"Batch at {where} has tree structure {treedef}, but the first batch had "
+            f"{spec.treedef}. {_FIX}"
+        )
+    leaves = [np.asarray(leaf) for leaf in flat]
+    for path, shape, dtype, leaf in zip(spec.paths, spec.shapes, spec.dtypes, leaves, strict=True):
+        if leaf.shape != shape or leaf.dtype != dtype:
+            raise BatchSpecError(
+                f"Batch at {where}, leaf {path}: expected shape {shape} dtype {dtype}, got shape "
+                f"{leaf.shape} dtype {leaf.dtype}. {_FIX}"
+            )
+    return leaves

@@ -1,0 +1,170 @@
+"""Execution strategies: how the steps of one device-resident chunk are run.
+
+* ``"scan"``  -- one executable runs the whole chunk (``lax.scan``): one dispatch per chunk. The
+  loop-sink proper, and the fastest choice wherever the step compiles as well inside a loop body
+  as outside (GPU, dense-only networks on CPU).
+* ``"loop"``  -- the compiled step is dispatched once per step over slices of the chunk, which
+  stays on the device. No per-step host data work, but one dispatch per step. On XLA:CPU some step
+  functions (e.g. convolutions' weight gradients) only get the fast kernels outside a while-loop
+  body; for those this beats ``"scan"``.
+* ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
+* ``"auto"``  -- times ``"scan"`` and ``"loop"`` on the first sinks (compile time excluded) and
+  keeps the faster per step. ``Sink.stats`` records the choice and the timings.
+
+Every strategy computes the same steps in the same order; only speed differs.
+
+>>> import jax.numpy as jnp
+>>> from sinkax.executable import Compiler
+>>> loop = Loop(lambda s, b: (s + b, s + b), Compiler("demo"))
+>>> loop.run(jnp.float32(0), jnp.arange(3.0))[1]
+Array([0., 1., 3.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from sinkax.executable import Compiler, StepFn, scan_program, step_program
+
+NAMES = ("auto", "scan", "loop")
+
+
+def _steps(chunk: Any) -> int:
+    return jax.tree.leaves(chunk)[0].shape[0]
+
+
+class Strategy(Protocol):
+    """Runs ``fn`` over every batch of a chunk."""
+
+    name: str
+
+    def prepare(self, state: Any, chunk: Any) -> None:
+        """Compile what :meth:`run` needs for this layout, running nothing."""
+
+    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
+        """``(state, outs)`` after every step of ``chunk``; ``state`` is donated."""
+
+
+class Scan:
+    """All steps of a chunk in one ``lax.scan`` executable."""
+
+    name = "scan"
+
+    def __init__(self, fn: StepFn, compiler: Compiler, unroll: int = 1):
+        self._program = scan_program(fn, unroll)
+        self._compiler = compiler
+
+    def _executable(self, state: Any, chunk: Any) -> Any:
+        return self._compiler.get("scan", self._program, state, chunk, steps=_steps(chunk))
+
+    def prepare(self, state: Any, chunk: Any) -> None:
+        self._executable(state, chunk)
+
+    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
+        return self._executable(state, chunk)(state, chunk)
+
+
+class Loop:
+    """The compiled step dispatched once per batch of the device-resident chunk."""
+
+    name = "loop"
+
+    def __init__(self, fn: StepFn, compiler: Compiler):
+        self._fn = fn
+        self._program = step_program(fn)
+        self._compiler = compiler
+
+    def _start(self, state: Any, chunk: Any) -> tuple[Any, Any, jax.Array]:
+        steps = _steps(chunk)
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)
+        _, out = jax.eval_shape(self._fn, state, batch)
+        device = jax.tree.leaves(chunk)[0].device
+        outs = jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype, device=device), out)
+        return state, outs, jnp.zeros((), jnp.int32, device=device)
+
+    def _executable(self, carry: Any, chunk: Any) -> Any:
+        return self._compiler.get("step", self._program, carry, chunk, steps=_steps(chunk))
+
+    def prepare(self, state: Any, chunk: Any) -> None:
+        self._executable(self._start(state, chunk), chunk)
+
+    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
+        carry = self._start(state, chunk)
+        step = self._executable(carry, chunk)
+        for _ in range(_steps(chunk)):
+            carry = step(carry, chunk)
+        return carry[0], carry[1]
+
+
+class Eager:
+    """PyNative mode: ``fn`` runs un-jitted, op by op, one batch at a time."""
+
+    name = "eager"
+
+    def __init__(self, fn: StepFn):
+        self._fn = fn
+
+    def prepare(self, state: Any, chunk: Any) -> None:
+        del state, chunk
+
+    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
+        outs = []
+        for i in range(_steps(chunk)):
+            state, out = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
+            outs.append(out)
+        return state, jax.tree.map(lambda *o: jnp.stack(o), *outs)
+
+
+class Auto:
+    """Measures each candidate on whole sinks, then keeps the fastest per step."""
+
+    def __init__(self, candidates: list[Strategy], rounds: int = 2):
+        self._schedule = candidates * rounds
+        self._runs = 0
+        self.chosen: Strategy | None = None
+        self.last: Strategy = candidates[0]
+        self.timings: dict[str, float] = {c.name: math.inf for c in candidates}
+
+    @property
+    def name(self) -> str:
+        return self.chosen.name if self.chosen else "auto (measuring)"
+
+    @property
+    def measuring(self) -> bool:
+        """True while the next :meth:`run` is still a timed trial (it blocks until done)."""
+        return self.chosen is None
+
+    def prepare(self, state: Any, chunk: Any) -> None:
+        for candidate in self._schedule:
+            candidate.prepare(state, chunk)
+
+    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
+        if self.chosen:
+            return self.chosen.run(state, chunk)
+        candidate = self.last = self._schedule[self._runs]
+        candidate.prepare(state, chunk)
+        t0 = time.perf_counter()
+        state, outs = jax.block_until_ready(candidate.run(state, chunk))
+        per_step = (time.perf_counter() - t0) / _steps(chunk)
+        self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
+        self._runs += 1
+        if self._runs == len(self._schedule):
+            best = min(self.timings, key=self.timings.__getitem__)
+            self.chosen = next(c for c in self._schedule if c.name == best)
+        return state, outs
+
+
+def make(name: str, fn: StepFn, compiler: Compiler, *, jit: bool) -> Strategy | Auto:
+    """The strategy called ``name`` (one of :data:`NAMES`), or :class:`Eager` without jit."""
+    if not jit:
+        return Eager(fn)
+    if name == "scan":
+        return Scan(fn, compiler)
+    if name == "loop":
+        return Loop(fn, compiler)
+    return Auto([Scan(fn, compiler), Loop(fn, compiler)])

@@ -1,0 +1,68 @@
+"""Small step functions and datasets shared by the core tests."""
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+OPTIMIZER = optax.sgd(0.05, momentum=0.9)
+
+
+def regression_batches(n: int, batch_size: int = 8, seed: int = 0) -> list[dict]:
+    """``n`` batches of a noisy linear regression problem, as numpy pytrees."""
+    rng = np.random.default_rng(seed)
+    true_w = rng.normal(size=(4, 1)).astype(np.float32)
+    batches = []
+    for _ in range(n):
+        x = rng.normal(size=(batch_size, 4)).astype(np.float32)
+        batches.append({"x": x, "y": x @ true_w + 0.01 * rng.normal(size=(batch_size, 1))})
+    return [{k: v.astype(np.float32) for k, v in b.items()} for b in batches]
+
+
+def init_state(seed: int = 0):
+    params = {"w": jax.random.normal(jax.random.key(seed), (4, 1)), "b": jnp.zeros((1,))}
+    return params, OPTIMIZER.init(params)
+
+
+def train_step(state, batch):
+    """One SGD-momentum step of linear regression; returns the loss."""
+    params, opt_state = state
+
+    def loss_fn(p):
+        return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+
+def reference_run(batches, steps: int):
+    """``steps`` plain jitted steps over ``batches`` cycled: final state and losses."""
+    state, losses, step = init_state(), [], jax.jit(train_step)
+    for i in range(steps):
+        state, loss = step(state, batches[i % len(batches)])
+        losses.append(float(loss))
+    return state, np.array(losses)
+
+
+def indexed_map_dataset(
+    num_samples: int, batch_size: int, seed: int | None = 0
+) -> grain.MapDataset:
+    """Batches ``{"index": (B,), "x": (B, 2)}`` of a (per-epoch reshuffled) index range."""
+    ds = grain.MapDataset.range(num_samples)
+    if seed is not None:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    return ds.map(lambda idx: {"index": idx.astype(np.int32), "x": np.stack([idx, idx], 1) * 0.5})
+
+
+def collect_index(state, batch):
+    """A step that counts steps and outputs the sample indices it saw."""
+    return state + 1, batch["index"]
+
+
+@pytest.fixture
+def batches():
+    return regression_batches(10)

@@ -1,0 +1,294 @@
+"""Semantics of ``data_sink``: results, data order, errors and lifetime."""
+
+import collections
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    collect_index,
+    indexed_map_dataset,
+    init_state,
+    reference_run,
+    regression_batches,
+    train_step,
+)
+
+import sinkax
+
+
+def run_sink(batches, sink_size, calls, **options):
+    state, losses = init_state(), []
+    with sinkax.data_sink(train_step, batches, sink_size, **options) as sink:
+        for _ in range(calls):
+            state, loss = sink(state)
+            losses.append(np.asarray(loss))
+        stats = sink.stats
+    return state, np.concatenate(losses), stats
+
+
+@pytest.mark.parametrize("strategy", ["scan", "loop", "auto"])
+@pytest.mark.parametrize("sink_size", [1, 3, 7, -1])
+def test_same_result_as_a_per_step_loop(batches, strategy, sink_size):
+    calls = {1: 12, 3: 5, 7: 3, -1: 2}[sink_size]
+    steps = calls * (len(batches) if sink_size == -1 else sink_size)
+    state, losses, stats = run_sink(batches, sink_size, calls, strategy=strategy)
+    ref_state, ref_losses = reference_run(batches, steps)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state, ref_state
+    )
+    assert stats.steps == steps and stats.calls == calls
+
+
+def test_eager_mode_matches_compiled(batches):
+    compiled, losses, _ = run_sink(batches, 4, 3, jit=True)
+    eager, eager_losses, stats = run_sink(batches, 4, 3, jit=False)
+    np.testing.assert_allclose(eager_losses, losses, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), eager, compiled)
+    assert stats.strategy == "eager" and stats.compiles == 0
+
+
+def test_pynative_context_makes_sinks_eager(batches):
+    sinkax.set_context(mode=sinkax.PYNATIVE_MODE)
+    try:
+        with sinkax.data_sink(train_step, batches, 2) as sink:
+            sink(init_state())
+            assert sink.stats.strategy == "eager"
+    finally:
+        sinkax.set_context(mode=sinkax.GRAPH_MODE)
+
+
+def test_chunked_sinks_match_one_chunk(batches):
+    one_chunk = run_sink(batches, 9, 2, strategy="scan")
+    batch_bytes = sum(v.nbytes for v in batches[0].values())
+    chunked = run_sink(batches, 9, 2, max_chunk_bytes=4 * batch_bytes, strategy="scan")
+    np.testing.assert_allclose(chunked[1], one_chunk[1], rtol=1e-6)
+    assert chunked[2].chunks_transferred >= 6  # 9 steps in chunks of 4, 4, 1 per call
+    assert chunked[2].compiles == 2  # one executable per distinct chunk length
+
+
+def test_stateless_form_returns_every_output(batches):
+    with sinkax.data_sink(lambda b: b["x"].sum(), batches, sink_size=4) as sink:
+        outs = sink()
+        more = sink()
+    expected = [b["x"].sum() for b in batches[:8]]
+    np.testing.assert_allclose(np.concatenate([outs, more]), expected, rtol=1e-5)
+
+
+def test_calls_must_keep_their_form(batches):
+    with sinkax.data_sink(lambda b: b["x"].sum(), batches, 2) as sink:
+        sink()
+        with pytest.raises(TypeError, match=r"first called as sink\(\)"):
+            sink(1.0)
+
+
+# -- exactly once -------------------------------------------------------------------------
+def indices_per_epoch(samples, epoch_size):
+    seen = collections.defaultdict(list)
+    for position, index in enumerate(samples):
+        seen[position // epoch_size].append(int(index))
+    return seen
+
+
+@pytest.mark.parametrize("seed", [0, None])
+def test_every_sample_exactly_once_per_epoch_across_calls_and_sink_sizes(seed):
+    num_samples, batch_size = 60, 4  # 15 batches an epoch
+    dataset = indexed_map_dataset(num_samples, batch_size, seed=seed)
+    plan = [(4, 3), (7, 2), (-1, 1), (1, 5), (-1, 2), (11, 3), (2, 1)]
+    samples, data_state = [], None
+    for sink_size, calls in plan:  # a new sink per size, continuing from the last position
+        with sinkax.data_sink(collect_index, dataset, sink_size, data_state=data_state) as sink:
+            for _ in range(calls):
+                _, indices = sink(jnp.int32(0))
+                samples.extend(np.asarray(indices).reshape(-1))
+            data_state = sink.data_state()
+    epochs = indices_per_epoch(samples, num_samples)
+    assert len(epochs) > 5
+    for epoch, indices in epochs.items():
+        if len(indices) == num_samples:
+            assert sorted(indices) == list(range(num_samples)), f"epoch {epoch}"
+        else:  # the unfinished last epoch: no repeats
+            assert len(set(indices)) == len(indices)
+    if seed is not None:  # grain reshuffles each epoch
+        assert epochs[0] != epochs[1]
+
+
+def test_sink_size_minus_one_runs_the_rest_of_the_epoch_then_whole_epochs():
+    dataset = indexed_map_dataset(40, 4)  # 10 batches
+    with sinkax.data_sink(collect_index, dataset, 3) as sink:
+        sink(jnp.int32(0))
+        state = sink.data_state()
+    with sinkax.data_sink(collect_index, dataset, -1, data_state=state) as sink:
+        steps = [sink(jnp.int32(0))[0] for _ in range(3)]
+        assert [int(s) for s in steps] == [7, 10, 10]
+        assert (sink.epoch, sink.step) == (3, 0)
+
+
+def test_position_and_epoch_crossing():
+    with sinkax.data_sink(collect_index, indexed_map_dataset(20, 4), 7) as sink:  # 5 per epoch
+        assert (sink.epoch, sink.step, sink.epoch_length) == (0, 0, 5)
+        sink(jnp.int32(0))
+        assert (sink.epoch, sink.step) == (1, 2)
+        sink(jnp.int32(0))
+        assert (sink.epoch, sink.step) == (2, 4)
+
+
+def test_plain_iterables_resume_by_replaying_the_epoch(batches):
+    with sinkax.data_sink(train_step, batches, 13) as sink:
+        state, _ = sink(init_state())
+        saved = sink.data_state()
+        _, expected = sink(state)
+    state, _ = run_sink(batches, 13, 1)[:2]
+    with sinkax.data_sink(train_step, batches, 13, data_state=saved) as sink:
+        _, resumed = sink(state)
+    np.testing.assert_allclose(resumed, expected, rtol=1e-6)
+
+
+# -- bad input ----------------------------------------------------------------------------
+@pytest.mark.parametrize("sink_size", [0, -2, 1.5, True, "3"])
+def test_bad_sink_size_is_a_value_error(batches, sink_size):
+    with pytest.raises(ValueError, match="sink_size"):
+        sinkax.data_sink(train_step, batches, sink_size)
+
+
+def test_epoch_sinks_need_a_known_length():
+    class Unsized:
+        def __iter__(self):
+            return iter(regression_batches(3))
+
+    with pytest.raises(ValueError, match="known length"):
+        sinkax.data_sink(train_step, Unsized(), -1)
+
+
+def test_unknown_strategy_is_a_value_error(batches):
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        sinkax.data_sink(train_step, batches, 2, strategy="fast")
+
+
+def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):
+    ragged = [*batches[:5], {"x": batches[5]["x"][:3], "y": batches[5]["y"][:3]}]
+    state = init_state()
+    with sinkax.data_sink(train_step, ragged, 4) as sink:
+        state, _ = sink(state)
+        with pytest.raises(sinkax.BatchSpecError, match=r"leaf \['x'\].*\(8, 4\).*\(3, 4\)") as err:
+            sink(state)
+        assert "drop_remainder=True" in str(err.value)
+        assert sink.data_state()["step"] == 4  # the failed call consumed nothing
+        with pytest.raises(sinkax.BatchSpecError):  # and it keeps failing the same way
+            sink(state)
+    jax.block_until_ready(state)  # the state of the last finished call is intact
+
+
+def test_a_dataset_error_reaches_the_caller_with_its_traceback(batches):
+    class Broken:
+        def __iter__(self):
+            for i, batch in enumerate(batches):
+                if i == 6:
+                    raise_from_the_dataset()
+                yield batch
+
+    def raise_from_the_dataset():
+        raise OSError("disk went away")
+
+    with sinkax.data_sink(train_step, Broken(), 4) as sink:
+        state, _ = sink(init_state())
+        with pytest.raises(OSError, match="disk went away") as err:
+            sink(state)
+    assert "raise_from_the_dataset" in [frame.name for frame in err.traceback]
+
+
+def test_a_stalled_pipeline_times_out_with_a_diagnosis(batches):
+    class Slow:
+        def __iter__(self):
+            for i, batch in enumerate(batches):
+                if i >= 2:
+                    time.sleep(0.5)
+                yield batch
+
+    with sinkax.data_sink(train_step, Slow(), 2, timeout=0.2) as sink:
+        state, _ = sink(init_state())
+        with pytest.raises(sinkax.SinkTimeoutError) as err:
+            sink(state)
+    message = str(err.value)
+    assert "0.2 s" in message and "batches/s" in message and "steps/s" in message
+    assert "num_threads" in message
+
+
+def test_interrupted_call_keeps_the_state_and_loses_no_batch(batches):
+    class SlowAfterFirstChunk:
+        def __iter__(self):
+            for i, batch in enumerate(batches):
+                if i == 6:
+                    time.sleep(1.0)
+                yield batch
+
+    batch_bytes = sum(v.nbytes for v in batches[0].values())
+    state = init_state()
+    with sinkax.data_sink(
+        train_step, SlowAfterFirstChunk(), 8, max_chunk_bytes=4 * batch_bytes, strategy="scan"
+    ) as sink:
+        timer = threading.Timer(0.3, lambda: __import__("_thread").interrupt_main())
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            sink(state)  # chunk 1 (4 steps) runs, then waits for the slow chunk 2
+        timer.join()
+        assert sink.data_state()["step"] == 0
+        state, losses = sink(state)  # the caller's state is still valid; data rewinds
+    _, ref_losses = reference_run(batches, 8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+# -- lifetime, stats, graphs ----------------------------------------------------------------
+def test_close_leaves_no_thread_and_blocks_further_calls(batches):
+    before = set(threading.enumerate())
+    sink = sinkax.data_sink(train_step, indexed_map_dataset(40, 4), 3)
+    assert set(threading.enumerate()) - before  # the producer runs
+    sink.close()
+    sink.close()
+    assert set(threading.enumerate()) - before == set()
+    with pytest.raises(sinkax.SinkClosedError):
+        sink(init_state())
+
+
+def test_at_most_prefetch_plus_one_chunks_on_the_device():
+    with sinkax.data_sink(collect_index, indexed_map_dataset(400, 4), 2, prefetch=2) as sink:
+        for _ in range(20):
+            sink(jnp.int32(0))
+            time.sleep(0.01)  # let the producer run ahead
+        stats = sink.stats
+    assert stats.max_chunks_on_device == 3
+    assert stats.chunks_transferred <= stats.calls + 3
+
+
+def test_strategy_choice_is_recorded(batches):
+    with sinkax.data_sink(train_step, batches, 5) as sink:
+        state = init_state()
+        for _ in range(5):
+            state, _ = sink(state)
+        stats = sink.stats
+    assert stats.strategy in ("scan", "loop")
+    assert set(stats.strategy_timings) == {"scan", "loop"}
+    assert stats.compiles == 2 and stats.steps == 25
+    assert stats.bound in ("input", "compute")
+    assert run_sink(batches, 5, 2, strategy="loop")[2].dispatches == 10
+    assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
+
+
+def test_lowered_sink_is_one_loop_and_compile_time_does_not_depend_on_size(batches):
+    with sinkax.data_sink(train_step, batches, 10_000, strategy="scan") as sink:
+        text = sink.lower(init_state()).as_text()
+    assert "stablehlo.while" in text
+    assert text.count("dot_general") < 10  # the step is not unrolled 10,000 times
+
+
+def test_save_graphs_writes_each_executable(batches, tmp_path):
+    with sinkax.data_sink(train_step, batches, 3, strategy="scan", save_graphs=tmp_path) as sink:
+        sink(init_state())
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["train_step_scan_sink3.hlo.txt", "train_step_scan_sink3.stablehlo.mlir"]
+    assert "while" in (tmp_path / "train_step_scan_sink3.hlo.txt").read_text()
