@@ -380,7 +380,8 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
       timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.
       device: where data and compute go (default from the context).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
-      read_options: ``grain.ReadOptions`` (threads, prefetch) for a grain ``MapDataset``.
+      read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
+        producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.
 
     Returns:

@@ -9,7 +9,8 @@
   body; for those this beats ``"scan"``.
 * ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
 * ``"auto"``  -- times ``"scan"`` and ``"loop"`` on the first sinks (compile time excluded) and
-  keeps the faster per step. ``Sink.stats`` records the choice and the timings.
+  keeps the faster per step: after one sink each if one is clearly faster (by
+  :data:`CLEAR_MARGIN`), else after a second round. ``Sink.stats`` records choice and timings.
 
 Every strategy computes the same steps in the same order; only speed differs.
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from sinkax.executable import Compiler, StepFn, scan_program, step_program
 
 NAMES = ("auto", "scan", "loop")
+CLEAR_MARGIN = 1.25
 
 
 def _steps(chunk: Any) -> int:
@@ -153,7 +155,9 @@ class Auto:
         per_step = (time.perf_counter() - t0) / _steps(chunk)
         self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
         self._runs += 1
-        if self._runs == len(self._schedule):
+        times = sorted(self.timings.values())
+        clear = math.isfinite(times[-1]) and times[1] > CLEAR_MARGIN * times[0]
+        if clear or self._runs == len(self._schedule):
             best = min(self.timings, key=self.timings.__getitem__)
             self.chosen = next(c for c in self._schedule if c.name == best)
         return state, outs

@@ -56,6 +56,13 @@ def _empty_error(dataset: Any) -> ValueError:
     return ValueError(f"The dataset {type(dataset).__name__} yielded no batch: it is empty.")
 
 
+# The sink's producer thread already runs the pipeline off the training thread, so by default
+# grain reads in that thread (grain's own default is 16 threads and a 500-element buffer, which
+# only adds hand-off costs for batch-level pipelines). Pass ReadOptions(num_threads=N) for
+# pipelines with heavy per-record Python work.
+IN_PRODUCER_THREAD = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
 class MapDatasetSource:
     """A grain ``MapDataset`` read endlessly with per-epoch reshuffling."""
 
@@ -64,7 +71,7 @@ class MapDatasetSource:
         if self.epoch_length == 0:
             raise _empty_error(dataset)
         endless = dataset if self.epoch_length is None else dataset.repeat(None)
-        self._iterable = endless.to_iter_dataset(read_options)
+        self._iterable = endless.to_iter_dataset(read_options or IN_PRODUCER_THREAD)
         self._iterator = iter(self._iterable)
         self._next_index = 0
 
