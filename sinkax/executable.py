@@ -1,23 +1,25 @@
-"""The sink-executable builder: pure programs over a chunk, compiled once per layout.
+"""The sink-executable builder: pure programs over a window of a chunk, compiled per layout.
 
-Two programs run a step function ``fn(state, batch) -> (state, out)`` over a *chunk* (batches
-stacked on a leading axis, already on the device):
+A *chunk* is batches stacked on a leading axis, already on the device; a call of the sink runs
+a window of ``steps`` consecutive batches of it, starting at a dynamic ``offset`` (so several
+calls can share one chunk and one transfer). Two programs run a step function
+``fn(state, batch) -> (state, out)`` over such a window:
 
-* :func:`scan_program` -- all steps of the chunk in one executable (``lax.scan``); compile time
-  does not depend on the chunk length;
+* :func:`scan_program` -- every step of the window in one executable (``lax.scan``); its
+  compile time does not depend on ``steps``;
 * :func:`step_program` -- one step, reading batch ``i`` of the chunk and writing its output into
-  a preallocated stacked buffer; a host loop dispatches it once per step with no host-side data
-  work. XLA:CPU optimises some step functions better outside a loop body (see
+  row ``j`` of a preallocated stacked buffer; a host loop dispatches it once per step, with no
+  host-side data work. XLA:CPU optimises some step functions better outside a loop body (see
   ``sinkax.strategy``).
 
 :class:`Compiler` compiles them ahead of time (``jit(...).lower(...).compile()``) with the state
-donated, caches one executable per (program, argument layout), counts compiles and, when asked,
-writes the StableHLO and the optimised HLO of each executable to a folder.
+donated, caches one executable per (program, window length, argument layout), counts compiles
+and, when asked, writes the StableHLO and the optimised HLO of each executable to a folder.
 
 >>> import jax.numpy as jnp
->>> run = scan_program(lambda s, b: (s + b, s + b))
->>> run(jnp.float32(0), jnp.arange(3.0))
-(Array(3., dtype=float32), Array([0., 1., 3.], dtype=float32))
+>>> run = scan_program(lambda s, b: (s + b, s + b), steps=2)
+>>> run(jnp.float32(0), jnp.arange(4.0), 1)
+(Array(3., dtype=float32), Array([1., 3.], dtype=float32))
 """
 
 from __future__ import annotations
@@ -32,24 +34,25 @@ from jax import lax
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
 
 
-def scan_program(fn: StepFn, unroll: int = 1) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """``(state, chunk) -> (state, outs)``: every step of ``chunk`` in one loop."""
+def scan_program(fn: StepFn, steps: int, unroll: int = 1) -> Callable[..., tuple[Any, Any]]:
+    """``(state, chunk, offset) -> (state, outs)``: steps ``offset .. offset+steps`` in a loop."""
 
-    def run(state: Any, chunk: Any) -> tuple[Any, Any]:
-        return lax.scan(fn, state, chunk, unroll=unroll)
+    def run(state: Any, chunk: Any, offset: jax.Array) -> tuple[Any, Any]:
+        window = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, offset, steps), chunk)
+        return lax.scan(fn, state, window, unroll=unroll)
 
     return run
 
 
-def step_program(fn: StepFn) -> Callable[[Any, Any], Any]:
-    """``((state, outs, i), chunk) -> (state, outs, i + 1)``: step ``i`` of ``chunk``."""
+def step_program(fn: StepFn) -> Callable[..., Any]:
+    """``((state, outs, i, j), chunk) -> (state, outs, i + 1, j + 1)``: batch ``i`` -> row ``j``."""
 
-    def step(carry: tuple[Any, Any, jax.Array], chunk: Any) -> tuple[Any, Any, jax.Array]:
-        state, outs, i = carry
+    def step(carry: tuple[Any, Any, jax.Array, jax.Array], chunk: Any) -> tuple[Any, ...]:
+        state, outs, i, j = carry
         batch = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), chunk)
         state, out = fn(state, batch)
-        outs = jax.tree.map(lambda buf, o: lax.dynamic_update_index_in_dim(buf, o, i, 0), outs, out)
-        return state, outs, i + 1
+        outs = jax.tree.map(lambda buf, o: lax.dynamic_update_index_in_dim(buf, o, j, 0), outs, out)
+        return state, outs, i + 1, j + 1
 
     return step
 
@@ -57,7 +60,8 @@ def step_program(fn: StepFn) -> Callable[[Any, Any], Any]:
 def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     """Tree structure and abstract value of every leaf: what an executable is specialised to."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(jax.typeof(leaf) for leaf in leaves)
+    # .aval is a cheap attribute read; this runs on every call of a sink
+    return treedef, tuple(x.aval if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves)
 
 
 class Compiler:
@@ -69,11 +73,13 @@ class Compiler:
         self.compiles = 0
         self._cache: dict[Any, Any] = {}
 
-    def get(self, kind: str, program: Callable[..., Any], *args: Any, steps: int) -> Any:
-        """The executable of ``program`` for ``args``' layout, the first argument donated."""
-        key = (kind, layout(args))
+    def get(
+        self, kind: str, steps: int, make_program: Callable[[], Callable[..., Any]], *args: Any
+    ) -> Any:
+        """The executable of ``make_program()`` for ``args``' layout, the first arg donated."""
+        key = (kind, steps, layout(args))
         if key not in self._cache:
-            lowered = self.lower(program, *args)
+            lowered = self.lower(make_program(), *args)
             compiled = lowered.compile()
             self.compiles += 1
             if self.save_graphs:

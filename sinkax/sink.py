@@ -67,25 +67,54 @@ class SinkStats:
         return "input" if self.data_wait_s > self.slot_wait_s else "compute"
 
 
-def plan_chunks(
-    sink_size: int, epoch_length: int | None, max_steps: int, start_step: int
-) -> Iterator[tuple[int, bool]]:
-    """Endless ``(steps, ends_call)`` of successive chunks: each call split into chunks.
+MIN_CHUNK_STEPS = 64
 
-    ``sink_size=-1`` makes each call the rest of the current epoch (a whole one after the first).
+
+def call_sizes(sink_size: int, epoch_length: int | None, start_step: int) -> Iterator[int]:
+    """Steps of successive calls: ``sink_size``, or (for ``-1``) the rest of each epoch.
 
     >>> from itertools import islice
-    >>> list(islice(plan_chunks(5, None, 2, 0), 4))
-    [(2, False), (2, False), (1, True), (2, False)]
+    >>> list(islice(call_sizes(-1, 10, start_step=3), 3))
+    [7, 10, 10]
     """
     step = start_step
     while True:
-        total = sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
+        yield sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
         step = 0
-        full, rest = divmod(total, max_steps)
-        sizes = [max_steps] * full + ([rest] if rest else [])
-        for j, steps in enumerate(sizes):
-            yield steps, j == len(sizes) - 1
+
+
+def plan_chunks(
+    calls: Iterator[int], max_steps: int, min_steps: int = MIN_CHUNK_STEPS
+) -> Iterator[list[tuple[int, bool]]]:
+    """Chunk layouts, each a list of ``(steps, ends_call)`` pieces, for a stream of calls.
+
+    Whole calls share a chunk (one transfer) until it holds ``min_steps``, never more than
+    ``max_steps``; a call longer than ``max_steps`` is split over several chunks.
+
+    >>> from itertools import islice, repeat
+    >>> list(islice(plan_chunks(repeat(5), max_steps=12, min_steps=8), 2))
+    [[(5, True), (5, True)], [(5, True), (5, True)]]
+    >>> list(islice(plan_chunks(repeat(5), max_steps=2), 3))
+    [[(2, False)], [(2, False)], [(1, True)]]
+    """
+    chunk: list[tuple[int, bool]] = []
+    for steps in calls:
+        if steps > max_steps:
+            if chunk:
+                yield chunk
+                chunk = []
+            full, rest = divmod(steps, max_steps)
+            parts = [max_steps] * full + ([rest] if rest else [])
+            for j, part in enumerate(parts):
+                yield [(part, j == len(parts) - 1)]
+            continue
+        if sum(s for s, _ in chunk) + steps > max_steps:
+            yield chunk
+            chunk = []
+        chunk.append((steps, True))
+        if sum(s for s, _ in chunk) >= min_steps:
+            yield chunk
+            chunk = []
 
 
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
@@ -148,6 +177,8 @@ class Sink:
         self._strategy: Any = None
         self._stateful: bool | None = None
         self._in_flight: tuple[Any, Any] | None = None
+        self._chunk: Chunk | None = None  # being consumed, piece by piece
+        self._piece = self._offset = 0
         self._resync = False
         self._closed = False
         self._steps = self._calls = self._dispatches = 0
@@ -162,9 +193,12 @@ class Sink:
         position = self._source.position
         return {"epoch": position.epoch, "step": position.step, "source": self._source.get_state()}
 
-    def _plan(self, spec: BatchSpec, start: Position) -> Iterator[tuple[int, bool]]:
-        max_steps = max(1, self.max_chunk_bytes // max(1, spec.nbytes))
-        return plan_chunks(self.sink_size, self._source.epoch_length, max_steps, start.step)
+    def _max_steps(self, spec: BatchSpec) -> int:
+        return max(1, self.max_chunk_bytes // max(1, spec.nbytes))
+
+    def _plan(self, spec: BatchSpec, start: Position) -> Iterator[list[tuple[int, bool]]]:
+        calls = call_sizes(self.sink_size, self._source.epoch_length, start.step)
+        return plan_chunks(calls, self._max_steps(spec))
 
     def _start_ring(self) -> None:
         self._ring = DeviceRing(
@@ -174,6 +208,7 @@ class Sink:
 
     def _stop_ring(self) -> None:
         self._finish_in_flight()
+        self._chunk = None
         self._finalizer.detach()
         self._ring.close()
 
@@ -262,40 +297,50 @@ class Sink:
         run = self._strategy_for(stateful)
         if self._resync:  # an interrupted call consumed data it never delivered: rewind
             self.restore_data_state(self._committed)
-        carry = jax.device_put(state, self.device) if stateful else ()
-        t_call = time.perf_counter()
-        wait_before = self._data_wait_s
-        parts, consumed = [], 0
+        carry = () if not stateful else self._on_device(state)
+        t_call, wait_before = time.perf_counter(), self._data_wait_s
+        parts: list[Any] = []
         try:
             while True:
-                self._finish_in_flight()
-                chunk = self._next_chunk()
-                consumed += 1
-                if (
-                    stateful
-                    and self.jit
-                    and not (chunk.ends_call and consumed == 1 and _atomic(run))
-                ):
+                chunk = self._current_chunk()
+                piece = chunk.pieces[self._piece]
+                if stateful and self.jit and not (piece.ends_call and not parts and _atomic(run)):
                     carry = jax.tree.map(jnp.copy, carry)  # keep the caller's state valid
-                carry, outs = run.run(carry, chunk.data)
+                carry, outs = run.run(carry, chunk.data, self._offset, piece.steps)
                 self._in_flight = (carry, outs)
-                self._dispatches += _dispatches(run, chunk.steps)
-                self._steps += chunk.steps
+                self._piece += 1
+                self._offset += piece.steps
+                self._dispatches += _dispatches(run, piece.steps)
+                self._steps += piece.steps
                 parts.append(outs)
-                if chunk.ends_call:
+                if piece.ends_call:
                     break
         except BaseException:
-            self._resync = consumed > 0 and not self._ring.failed
+            self._resync = bool(parts) and not self._ring.failed
             raise
         self._committed = {
-            "epoch": chunk.position.epoch,
-            "step": chunk.position.step,
-            "source": chunk.source_state,
+            "epoch": piece.position.epoch,
+            "step": piece.position.step,
+            "source": piece.source_state,
         }
         self._calls += 1
         self._busy_s += time.perf_counter() - t_call - (self._data_wait_s - wait_before)
         outs = parts[0] if len(parts) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
         return (carry, outs) if stateful else outs
+
+    def _on_device(self, state: Any) -> Any:
+        """``state`` on the sink's device; cheap for the sink's own outputs passed back."""
+        if self._calls and all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):
+            return state
+        return jax.device_put(state, self.device)
+
+    def _current_chunk(self) -> Chunk:
+        """The chunk holding the next piece, taking the next one when this is used up."""
+        if self._chunk is None or self._piece == len(self._chunk.pieces):
+            self._finish_in_flight()  # frees the used-up chunk's slot
+            self._chunk = self._next_chunk()
+            self._piece = self._offset = 0
+        return self._chunk
 
     def lower(self, state: Any = _NO_STATE) -> jax.stages.Lowered:
         """The scan executable of one chunk of this sink, lowered (``.as_text()`` is StableHLO).
@@ -305,11 +350,12 @@ class Sink:
         """
         spec = self._ring.first_spec(self.timeout)
         steps = self.sink_size if self.sink_size > 0 else self.epoch_length
-        steps = min(steps, max(1, self.max_chunk_bytes // max(1, spec.nbytes)))  # type: ignore
-        if state is _NO_STATE:
-            program = scan_program(lambda s, b: (s, self.fn(b)))
-            return Compiler.lower(program, (), spec.stacked(steps))
-        return Compiler.lower(scan_program(self.fn), state, spec.stacked(steps))
+        steps = min(steps, self._max_steps(spec))  # type: ignore[type-var]
+        stateless = state is _NO_STATE
+        fn = (lambda s, b: (s, self.fn(b))) if stateless else self.fn
+        return Compiler.lower(
+            scan_program(fn, steps), () if stateless else state, spec.stacked(steps), 0
+        )
 
     @property
     def stats(self) -> SinkStats:

@@ -55,12 +55,18 @@ class BatchSpec:
             for s, d in zip(self.shapes, self.dtypes, strict=True)
         )
 
-    def stacked(self, steps: int) -> Any:
-        """Abstract pytree (``jax.ShapeDtypeStruct``) of ``steps`` batches stacked."""
-        leaves = [
-            jax.ShapeDtypeStruct((steps, *s), d)
+    @property
+    def device_leaves(self) -> list[jax.ShapeDtypeStruct]:
+        """Each leaf as it lives on the device (dtypes canonicalised: float64 -> float32
+        unless ``jax_enable_x64``)."""
+        return [
+            jax.ShapeDtypeStruct(s, jax.dtypes.canonicalize_dtype(d))
             for s, d in zip(self.shapes, self.dtypes, strict=True)
         ]
+
+    def stacked(self, steps: int) -> Any:
+        """Abstract pytree (``jax.ShapeDtypeStruct``) of ``steps`` batches stacked, on device."""
+        leaves = [jax.ShapeDtypeStruct((steps, *x.shape), x.dtype) for x in self.device_leaves]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 

@@ -12,13 +12,14 @@
   keeps the faster per step: after one sink each if one is clearly faster (by
   :data:`CLEAR_MARGIN`), else after a second round. ``Sink.stats`` records choice and timings.
 
-Every strategy computes the same steps in the same order; only speed differs.
+Every strategy computes the same steps in the same order; only speed differs. Each runs a
+window of ``steps`` batches of a device-resident chunk, starting at ``offset``.
 
 >>> import jax.numpy as jnp
 >>> from sinkax.executable import Compiler
 >>> loop = Loop(lambda s, b: (s + b, s + b), Compiler("demo"))
->>> loop.run(jnp.float32(0), jnp.arange(3.0))[1]
-Array([0., 1., 3.], dtype=float32)
+>>> loop.run(jnp.float32(0), jnp.arange(4.0), offset=1, steps=3)[1]
+Array([1., 3., 6.], dtype=float32)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sinkax.executable import Compiler, StepFn, scan_program, step_program
 
@@ -36,39 +38,37 @@ NAMES = ("auto", "scan", "loop")
 CLEAR_MARGIN = 1.25
 
 
-def _steps(chunk: Any) -> int:
-    return jax.tree.leaves(chunk)[0].shape[0]
-
-
 class Strategy(Protocol):
-    """Runs ``fn`` over every batch of a chunk."""
+    """Runs ``fn`` over a window of a chunk."""
 
     name: str
 
-    def prepare(self, state: Any, chunk: Any) -> None:
+    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
         """Compile what :meth:`run` needs for this layout, running nothing."""
 
-    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
-        """``(state, outs)`` after every step of ``chunk``; ``state`` is donated."""
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        """``(state, outs)`` after batches ``offset .. offset+steps``; ``state`` is donated."""
 
 
 class Scan:
-    """All steps of a chunk in one ``lax.scan`` executable."""
+    """All steps of a window in one ``lax.scan`` executable."""
 
     name = "scan"
 
     def __init__(self, fn: StepFn, compiler: Compiler, unroll: int = 1):
-        self._program = scan_program(fn, unroll)
-        self._compiler = compiler
+        self._fn, self._unroll, self._compiler = fn, unroll, compiler
 
-    def _executable(self, state: Any, chunk: Any) -> Any:
-        return self._compiler.get("scan", self._program, state, chunk, steps=_steps(chunk))
+    def _executable(self, state: Any, chunk: Any, offset: int, steps: int) -> Any:
+        def make():
+            return scan_program(self._fn, steps, self._unroll)
 
-    def prepare(self, state: Any, chunk: Any) -> None:
-        self._executable(state, chunk)
+        return self._compiler.get("scan", steps, make, state, chunk, offset)
 
-    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
-        return self._executable(state, chunk)(state, chunk)
+    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
+        self._executable(state, chunk, offset, steps)
+
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        return self._executable(state, chunk, offset, steps)(state, chunk, offset)
 
 
 class Loop:
@@ -81,24 +81,24 @@ class Loop:
         self._program = step_program(fn)
         self._compiler = compiler
 
-    def _start(self, state: Any, chunk: Any) -> tuple[Any, Any, jax.Array]:
-        steps = _steps(chunk)
+    def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)
         _, out = jax.eval_shape(self._fn, state, batch)
         device = jax.tree.leaves(chunk)[0].device
         outs = jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype, device=device), out)
-        return state, outs, jnp.zeros((), jnp.int32, device=device)
+        index = jax.device_put(np.array([offset, 0], np.int32), device)
+        return state, outs, index[0], index[1]
 
-    def _executable(self, carry: Any, chunk: Any) -> Any:
-        return self._compiler.get("step", self._program, carry, chunk, steps=_steps(chunk))
+    def _executable(self, carry: Any, chunk: Any, steps: int) -> Any:
+        return self._compiler.get("step", steps, lambda: self._program, carry, chunk)
 
-    def prepare(self, state: Any, chunk: Any) -> None:
-        self._executable(self._start(state, chunk), chunk)
+    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
+        self._executable(self._start(state, chunk, offset, steps), chunk, steps)
 
-    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
-        carry = self._start(state, chunk)
-        step = self._executable(carry, chunk)
-        for _ in range(_steps(chunk)):
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        carry = self._start(state, chunk, offset, steps)
+        step = self._executable(carry, chunk, steps)
+        for _ in range(steps):
             carry = step(carry, chunk)
         return carry[0], carry[1]
 
@@ -111,12 +111,12 @@ class Eager:
     def __init__(self, fn: StepFn):
         self._fn = fn
 
-    def prepare(self, state: Any, chunk: Any) -> None:
-        del state, chunk
+    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
+        del state, chunk, offset, steps
 
-    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         outs = []
-        for i in range(_steps(chunk)):
+        for i in range(offset, offset + steps):
             state, out = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
             outs.append(out)
         return state, jax.tree.map(lambda *o: jnp.stack(o), *outs)
@@ -136,23 +136,18 @@ class Auto:
     def name(self) -> str:
         return self.chosen.name if self.chosen else "auto (measuring)"
 
-    @property
-    def measuring(self) -> bool:
-        """True while the next :meth:`run` is still a timed trial (it blocks until done)."""
-        return self.chosen is None
-
-    def prepare(self, state: Any, chunk: Any) -> None:
+    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
         for candidate in self._schedule:
-            candidate.prepare(state, chunk)
+            candidate.prepare(state, chunk, offset, steps)
 
-    def run(self, state: Any, chunk: Any) -> tuple[Any, Any]:
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         if self.chosen:
-            return self.chosen.run(state, chunk)
+            return self.chosen.run(state, chunk, offset, steps)
         candidate = self.last = self._schedule[self._runs]
-        candidate.prepare(state, chunk)
+        candidate.prepare(state, chunk, offset, steps)
         t0 = time.perf_counter()
-        state, outs = jax.block_until_ready(candidate.run(state, chunk))
-        per_step = (time.perf_counter() - t0) / _steps(chunk)
+        state, outs = jax.block_until_ready(candidate.run(state, chunk, offset, steps))
+        per_step = (time.perf_counter() - t0) / steps
         self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
         self._runs += 1
         times = sorted(self.timings.values())

@@ -13,10 +13,11 @@ producer slower than the training it feeds. They are 64-byte aligned, which lets
 them as device buffers without a copy (``device_put`` aliases aligned host memory), so on CPU a
 slot *is* the device memory; on GPU ``device_put`` copies from it.
 
-The producer follows a plan: an endless sequence of ``(steps, ends_call)`` pairs that says how
-big each chunk is and which chunk completes a sink call. Nothing is read past what the plan
-asks for, and every chunk records the source position and state after its last batch, so the
-consumer can report (and checkpoint) an exact data position.
+The producer follows a plan: an endless sequence of chunk layouts, each a list of
+``(steps, ends_call)`` pieces -- several whole sink calls grouped into one chunk (one transfer
+for many small calls), or a part of one call too large for a single chunk. Nothing is read past
+what the plan asks for, and each piece records the source position and state after its last
+batch, so the consumer can report (and checkpoint) an exact data position after every call.
 """
 
 from __future__ import annotations
@@ -37,18 +38,26 @@ from sinkax.channel.source import Position, Source
 from sinkax.errors import SinkTimeoutError
 from sinkax.spec import BatchSpec, check
 
-Plan = Callable[[BatchSpec, Position], Iterator[tuple[int, bool]]]
+Layout = list[tuple[int, bool]]
+Plan = Callable[[BatchSpec, Position], Iterator[Layout]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """``steps`` batches of a chunk; ``ends_call`` if a sink call ends with them."""
+
+    steps: int
+    ends_call: bool
+    position: Position  # of the batch after this piece
+    source_state: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """``steps`` consecutive batches stacked on a leading axis, resident on the device."""
+    """Consecutive batches stacked on a leading axis, resident on the device, in pieces."""
 
     data: Any
-    steps: int
-    ends_call: bool
-    position: Position
-    source_state: dict[str, Any]
+    pieces: tuple[Piece, ...]
 
 
 @dataclasses.dataclass
@@ -63,10 +72,10 @@ class ChannelStats:
     max_chunks_on_device: int = 0
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data starts on an ``align``-byte boundary."""
+def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """A zeroed array whose data starts on an ``align``-byte boundary."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
+    raw = np.zeros(nbytes + align, np.uint8)
     offset = -raw.ctypes.data % align
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
@@ -82,11 +91,12 @@ class DeviceRing:
     >>> import jax, numpy as np
     >>> from sinkax.channel.source import as_source
     >>> ring = DeviceRing(as_source([{"x": np.array([i])} for i in range(4)]),
-    ...                   plan=lambda spec, pos: iter(((2, True),) * 10), prefetch=1,
+    ...                   plan=lambda spec, pos: iter([[(1, True), (2, True)]] * 10), prefetch=1,
     ...                   device=jax.devices()[0])
-    >>> chunk = ring.get(timeout=10.0)
-    >>> chunk.data["x"].tolist(), chunk.position
-    ([[0], [1]], Position(epoch=0, step=2))
+    >>> first = ring.get(timeout=10.0)  # the first chunk goes out after its first piece
+    >>> ring.release(); second = ring.get(timeout=10.0)
+    >>> second.data["x"][:2].tolist(), [p.position for p in second.pieces]
+    ([[1], [2]], [Position(epoch=0, step=3)])
     >>> ring.release(); ring.close()
     """
 
@@ -110,6 +120,7 @@ class DeviceRing:
         self._ready: queue.Queue[tuple[Chunk, list[np.ndarray]] | _Failure] = queue.Queue()
         self._stop = threading.Event()
         self._spec_ready = threading.Event()
+        self._consumer_waiting = threading.Event()
         self.spec: BatchSpec | None = None
         self.failed = False
         self.stats = ChannelStats()
@@ -124,15 +135,21 @@ class DeviceRing:
             self.spec = BatchSpec.of(first)
             self._spec_ready.set()
             pending = [first]
-            plan = list(itertools.islice(self._plan(self.spec, start), 2))
-            capacity = max(steps for steps, _ in plan)  # a call's chunks all fit the first two
-            for steps, ends_call in self._plan(self.spec, start):
+            layouts = self._plan(self.spec, start)
+            head = list(itertools.islice(layouts, 3))
+            capacity = max(_steps(layout) for layout in head)  # later layouts are alike
+            layouts = itertools.chain(head, layouts)
+            leftover: Layout = []
+            while True:
+                layout = leftover or next(layouts)
                 staging = self._acquire_slot()
                 if staging is None:
                     return
-                if not staging or len(staging[0]) < steps:
-                    staging = self._allocate(max(steps, capacity))
-                self._ready.put(self._build(steps, ends_call, pending, staging))
+                if not staging or len(staging[0]) < _steps(layout):
+                    capacity = max(capacity, _steps(layout))
+                    staging = self._allocate(capacity)
+                chunk, leftover = self._build(layout, pending, staging)
+                self._ready.put(chunk)
                 pending = []
         except _Stopped:
             return
@@ -159,33 +176,61 @@ class DeviceRing:
     def _allocate(self, steps: int) -> list[np.ndarray]:
         spec = self.spec
         assert spec is not None
-        return [
-            aligned_empty((steps, *s), d) for s, d in zip(spec.shapes, spec.dtypes, strict=True)
-        ]
+        return [aligned_zeros((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
 
     def _build(
-        self, steps: int, ends_call: bool, pending: list[Any], staging: list[np.ndarray]
-    ) -> tuple[Chunk, list[np.ndarray]]:
+        self, layout: Layout, pending: list[Any], staging: list[np.ndarray]
+    ) -> tuple[tuple[Chunk, list[np.ndarray]], Layout]:
+        """Fill ``staging`` per ``layout``, put it on the device; returns the pieces left over.
+
+        A chunk goes out early, after any complete piece, when the consumer is already waiting
+        or when it is the first (so a slow pipeline does not hold back calls that could run).
+        If reading fails, the pieces completed so far still go out before the error. The whole
+        staging buffer is always transferred, so executables see one chunk shape.
+        """
         t0 = time.perf_counter()
         spec = self.spec
         assert spec is not None
-        host = [buffer[:steps] for buffer in staging]
-        for i in range(steps):
-            where = self._source.position
-            batch = pending[i] if i < len(pending) else next(self._source)
-            leaves = check(spec, batch, f"epoch {where.epoch}, step {where.step}")
-            for buffer, leaf in zip(host, leaves, strict=True):
-                buffer[i] = leaf
-            if self._stop.is_set():
-                raise _Stopped
-        data = jax.device_put(jax.tree_util.tree_unflatten(spec.treedef, host), self._device)
-        jax.block_until_ready(data)  # the copy happens here, overlapped with the consumer
+        pieces: list[Piece] = []
+        filled = 0
+        try:
+            for piece_steps, ends_call in layout:
+                for _ in range(piece_steps):
+                    where = self._source.position
+                    batch = pending[filled] if filled < len(pending) else next(self._source)
+                    leaves = check(spec, batch, f"epoch {where.epoch}, step {where.step}")
+                    for buffer, leaf in zip(staging, leaves, strict=True):
+                        buffer[filled] = leaf
+                    filled += 1
+                    if self._stop.is_set():
+                        raise _Stopped
+                source = self._source
+                pieces.append(Piece(piece_steps, ends_call, source.position, source.get_state()))
+                if self.stats.chunks == 0 or (
+                    self._consumer_waiting.is_set() and self._ready.empty()
+                ):
+                    break
+        except _Stopped:
+            raise
+        except BaseException:
+            if pieces:
+                self._ready.put(self._transfer(pieces, staging, t0))
+            raise
+        return self._transfer(pieces, staging, t0), layout[len(pieces) :]
+
+    def _transfer(
+        self, pieces: list[Piece], staging: list[np.ndarray], t0: float
+    ) -> tuple[Chunk, list[np.ndarray]]:
+        spec = self.spec
+        assert spec is not None
+        data = jax.device_put(jax.tree_util.tree_unflatten(spec.treedef, staging), self._device)
+        jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
+        steps = sum(piece.steps for piece in pieces)
         self.stats.batches += steps
         self.stats.chunks += 1
         self.stats.bytes += steps * spec.nbytes
         self.stats.busy_s += time.perf_counter() - t0
-        chunk = Chunk(data, steps, ends_call, self._source.position, self._source.get_state())
-        return chunk, staging
+        return Chunk(data, tuple(pieces)), staging
 
     # -- consumer side -------------------------------------------------------------------
     def first_spec(self, timeout: float) -> BatchSpec:
@@ -201,10 +246,13 @@ class DeviceRing:
 
     def get(self, timeout: float) -> Chunk:
         """The next chunk; re-raises a producer error; ``SinkTimeoutError`` after ``timeout``."""
+        self._consumer_waiting.set()
         try:
             item = self._ready.get(timeout=timeout)
         except queue.Empty:
             raise SinkTimeoutError(f"No data arrived within {timeout:.1f} s.") from None
+        finally:
+            self._consumer_waiting.clear()
         if isinstance(item, _Failure):
             self.failed = True
             self._ready.put(item)  # every later call fails the same way
@@ -226,6 +274,10 @@ class DeviceRing:
         self._source.close()
         while not self._ready.empty():
             self._ready.get_nowait()
+
+
+def _steps(layout: Layout) -> int:
+    return sum(steps for steps, _ in layout)
 
 
 class _Stopped(Exception):
