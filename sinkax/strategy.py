@@ -8,9 +8,11 @@
   functions (e.g. convolutions' weight gradients) only get the fast kernels outside a while-loop
   body; for those this beats ``"scan"``.
 * ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
-* ``"auto"``  -- times ``"scan"`` and ``"loop"`` on the first sinks (compile time excluded) and
-  keeps the faster per step: after one sink each if one is clearly faster (by
-  :data:`CLEAR_MARGIN`), else after a second round. ``Sink.stats`` records choice and timings.
+* ``"auto"``  -- times ``"scan"`` and ``"loop"`` on whole sinks (compile time excluded) and
+  keeps the faster per step. The first sink runs untimed (the producer is still filling the
+  ring then, which would bias whichever ran first); then the candidates run in the order
+  A, B, B, A, stopping after A, B when one is clearly faster (by :data:`CLEAR_MARGIN`).
+  ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
 window of ``steps`` batches of a device-resident chunk, starting at ``offset``.
@@ -35,7 +37,7 @@ import numpy as np
 from sinkax.executable import Compiler, StepFn, scan_program, step_program
 
 NAMES = ("auto", "scan", "loop")
-CLEAR_MARGIN = 1.25
+CLEAR_MARGIN = 1.5
 
 
 class Strategy(Protocol):
@@ -125,8 +127,8 @@ class Eager:
 class Auto:
     """Measures each candidate on whole sinks, then keeps the fastest per step."""
 
-    def __init__(self, candidates: list[Strategy], rounds: int = 2):
-        self._schedule = candidates * rounds
+    def __init__(self, candidates: list[Strategy]):
+        self._schedule = [candidates[0], *candidates, *reversed(candidates)]  # warm-up, A B B A
         self._runs = 0
         self.chosen: Strategy | None = None
         self.last: Strategy = candidates[0]
@@ -147,8 +149,9 @@ class Auto:
         candidate.prepare(state, chunk, offset, steps)
         t0 = time.perf_counter()
         state, outs = jax.block_until_ready(candidate.run(state, chunk, offset, steps))
-        per_step = (time.perf_counter() - t0) / steps
-        self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
+        if self._runs > 0:  # the warm-up sink is not timed
+            per_step = (time.perf_counter() - t0) / steps
+            self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
         self._runs += 1
         times = sorted(self.timings.values())
         clear = math.isfinite(times[-1]) and times[1] > CLEAR_MARGIN * times[0]
