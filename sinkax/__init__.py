@@ -13,6 +13,23 @@ from sinkax.channel.source import Position
 from sinkax.context import GRAPH_MODE, PYNATIVE_MODE, get_context, set_context
 from sinkax.errors import BatchSpecError, SinkClosedError, SinkError, SinkTimeoutError
 from sinkax.sink import Sink, SinkStats, data_sink
+from sinkax.train import (
+    Callback,
+    DatasetHelper,
+    EvalCallback,
+    History,
+    LossMonitor,
+    Model,
+    ModelCheckpoint,
+    ProgressBar,
+    RunContext,
+    TerminateOnNaN,
+    TimeMonitor,
+    TrainState,
+    connect_network_with_dataset,
+    make_eval_step,
+    make_train_step,
+)
 
 __version__ = "0.1.0"
 
@@ -20,14 +37,29 @@ __all__ = [
     "GRAPH_MODE",
     "PYNATIVE_MODE",
     "BatchSpecError",
+    "Callback",
+    "DatasetHelper",
+    "EvalCallback",
+    "History",
+    "LossMonitor",
+    "Model",
+    "ModelCheckpoint",
     "Position",
+    "ProgressBar",
+    "RunContext",
     "Sink",
     "SinkClosedError",
     "SinkError",
     "SinkStats",
     "SinkTimeoutError",
+    "TerminateOnNaN",
+    "TimeMonitor",
+    "TrainState",
+    "connect_network_with_dataset",
     "data_sink",
     "get_context",
+    "make_eval_step",
+    "make_train_step",
     "resolve_device",
     "set_context",
 ]

@@ -1,0 +1,47 @@
+"""High-level training on top of :func:`sinkax.data_sink`: MindSpore's ``Model``, callbacks,
+``DatasetHelper``/``connect_network_with_dataset`` for custom loops, and the pure train and
+eval steps they run.
+
+>>> from sinkax.train import LossMonitor, Model, make_train_step
+"""
+
+from sinkax.train.callbacks import (
+    Callback,
+    EvalCallback,
+    History,
+    LossMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+    RunContext,
+    TerminateOnNaN,
+    TimeMonitor,
+)
+from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
+from sinkax.train.model import Model
+from sinkax.train.steps import (
+    TrainState,
+    accuracy,
+    cross_entropy,
+    make_eval_step,
+    make_train_step,
+)
+
+__all__ = [
+    "Callback",
+    "DatasetHelper",
+    "EvalCallback",
+    "History",
+    "LossMonitor",
+    "Model",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "RunContext",
+    "TerminateOnNaN",
+    "TimeMonitor",
+    "TrainState",
+    "accuracy",
+    "connect_network_with_dataset",
+    "cross_entropy",
+    "make_eval_step",
+    "make_train_step",
+]

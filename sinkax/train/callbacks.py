@@ -1,0 +1,402 @@
+"""Callbacks of :meth:`sinkax.train.Model.train`, MindSpore and Keras style.
+
+A callback overrides some of the hooks of :class:`Callback`; each receives the
+:class:`RunContext`. In sink mode ``on_step_end`` runs once per sink and ``run.losses`` holds
+every step's loss of that sink; in non-sink mode it runs after every step with one loss.
+
+>>> class CountSinks(Callback):
+...     calls = 0
+...     def on_step_end(self, run):
+...         self.calls += 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+    from sinkax.sink import SinkStats
+    from sinkax.train.helper import DatasetHelper
+    from sinkax.train.model import Model
+    from sinkax.train.steps import TrainState
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What callbacks see of a training run; updated after every sink (or step).
+
+    ``epoch`` counts from 1 as MindSpore prints it; ``step`` is the global number of steps done
+    (it continues across resumed runs); ``step_in_epoch`` the steps done in this epoch.
+    ``outputs`` holds the train step's per-step metrics of the last sink, still on the device.
+    """
+
+    model: Model = dataclasses.field(repr=False)
+    state: TrainState = dataclasses.field(repr=False)
+    helper: DatasetHelper = dataclasses.field(repr=False)
+    initial_epoch: int
+    epochs: int
+    epoch: int
+    step: int
+    step_in_epoch: int = 0
+    outputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict, repr=False)
+    stop_requested: bool = False
+
+    @property
+    def losses(self) -> np.ndarray:
+        """Every step's loss of the last sink (one per step in non-sink mode)."""
+        return np.asarray(self.outputs["loss"])
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Steps of a whole epoch: ``sink_size`` if positive, else the dataset's length."""
+        return self.helper.steps_per_epoch
+
+    @property
+    def sink_stats(self) -> SinkStats | None:
+        """The training sink's statistics (``None`` in non-sink mode)."""
+        return self.helper.stats
+
+    def data_state(self) -> dict[str, Any]:
+        """Where the next step reads: saved by :class:`ModelCheckpoint` for an exact resume."""
+        return self.helper.data_state()
+
+    def request_stop(self) -> None:
+        """Stop training after this sink (or step); ``on_train_end`` still runs."""
+        self.stop_requested = True
+
+
+class Callback:
+    """Base class: every hook does nothing. Override the ones you need."""
+
+    def on_train_begin(self, run: RunContext) -> None:
+        """Before the first epoch."""
+
+    def on_epoch_begin(self, run: RunContext) -> None:
+        """Before the epoch ``run.epoch``."""
+
+    def on_step_end(self, run: RunContext) -> None:
+        """After each sink (sink mode) or each step; ``run.losses`` has its losses."""
+
+    def on_epoch_end(self, run: RunContext) -> None:
+        """After a complete epoch (not after one cut short by a stop request)."""
+
+    def on_train_end(self, run: RunContext) -> None:
+        """After the last epoch, or once a stop was requested."""
+
+
+def _optional(module: str, user: str) -> Any:
+    """Import ``module``, an optional dependency, or explain how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"{user} needs {module.split('.')[0]}: pip install 'sinkax[train]'."
+        ) from error
+
+
+def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+class LossMonitor(Callback):
+    """Prints ``epoch: 1 step: 125, loss is 0.0512...`` (the last step's loss).
+
+    In sink mode it prints at the end of each sink that completes at least ``per_print_times``
+    steps since the last print; in non-sink mode every ``per_print_times`` steps. ``0`` prints
+    nothing.
+
+    >>> LossMonitor(per_print_times=100).per_print_times
+    100
+    """
+
+    def __init__(self, per_print_times: int = 1):
+        self.per_print_times = _check_positive("per_print_times", per_print_times, 0)
+        self._last_print = 0
+
+    def on_train_begin(self, run: RunContext) -> None:
+        self._last_print = run.step
+
+    def on_step_end(self, run: RunContext) -> None:
+        if self.per_print_times and run.step - self._last_print >= self.per_print_times:
+            self._last_print = run.step
+            loss = float(run.losses[-1])
+            print(f"epoch: {run.epoch} step: {run.step_in_epoch}, loss is {loss}", flush=True)
+
+
+class TimeMonitor(Callback):
+    """Prints ``epoch time: 812.345 ms, per step time: 6.499 ms`` after each epoch.
+
+    It waits for the epoch's computation to finish, so the time is the true wall time.
+
+    >>> TimeMonitor().epoch_times
+    []
+    """
+
+    def __init__(self) -> None:
+        self.epoch_times: list[float] = []
+        self._start = 0.0
+
+    def on_epoch_begin(self, run: RunContext) -> None:
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, run: RunContext) -> None:
+        jax.block_until_ready(run.outputs)
+        seconds = time.perf_counter() - self._start
+        self.epoch_times.append(seconds)
+        per_step = 1e3 * seconds / max(1, run.step_in_epoch)
+        print(f"epoch time: {1e3 * seconds:.3f} ms, per step time: {per_step:.3f} ms", flush=True)
+
+
+class History(Callback):
+    """Collects every step's loss of the run.
+
+    >>> History().losses
+    array([], dtype=float32)
+    """
+
+    def __init__(self) -> None:
+        self._losses: list[np.ndarray] = []
+
+    def on_train_begin(self, run: RunContext) -> None:
+        self._losses = []
+
+    def on_step_end(self, run: RunContext) -> None:
+        self._losses.append(run.losses)
+
+    @property
+    def losses(self) -> np.ndarray:
+        """All losses in step order."""
+        return np.concatenate(self._losses) if self._losses else np.zeros(0, np.float32)
+
+
+class TerminateOnNaN(Callback):
+    """Stops training at the end of the first sink that had a non-finite loss or gradient.
+
+    The check runs on the device over the whole sink (the train step's ``finite`` flags); the
+    host reads one bool per sink. The train step never applies a non-finite update, so the
+    model keeps finite params: those after the last step whose loss and gradients were finite
+    (later finite steps of the same sink included).
+
+    >>> TerminateOnNaN().stopped_at is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self.stopped_at: tuple[int, int] | None = None
+
+    def on_step_end(self, run: RunContext) -> None:
+        if not bool(jnp.all(run.outputs["finite"])):
+            self.stopped_at = (run.epoch, run.step_in_epoch)
+            print(
+                f"epoch: {run.epoch} step: {run.step_in_epoch}, non-finite loss or gradients in "
+                "this sink: terminating training.",
+                flush=True,
+            )
+            run.request_stop()
+
+
+class ProgressBar(Callback):
+    """A ``tqdm`` bar over all steps of the run, advanced by each sink's steps.
+
+    >>> ProgressBar().bar is None
+    True
+    """
+
+    def __init__(self, **tqdm_options: Any):
+        self.tqdm_options = tqdm_options
+        self.bar: Any = None
+
+    def on_train_begin(self, run: RunContext) -> None:
+        tqdm = _optional("tqdm.auto", "ProgressBar").tqdm
+        total = (run.epochs - run.initial_epoch) * (run.steps_per_epoch or 0) or None
+        self.bar = tqdm(total=total, unit="step", **self.tqdm_options)
+
+    def on_step_end(self, run: RunContext) -> None:
+        self.bar.update(len(run.losses))
+        self.bar.set_postfix(epoch=run.epoch, loss=f"{float(run.losses[-1]):.4f}")
+
+    def on_train_end(self, run: RunContext) -> None:
+        self.bar.close()
+
+
+class EvalCallback(Callback):
+    """Inference while training: :meth:`Model.eval <sinkax.train.Model.eval>` every
+    ``every_epochs`` epochs; results in :attr:`results` as ``{epoch: metrics}``.
+
+    >>> EvalCallback([], every_epochs=2).results
+    {}
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        every_epochs: int = 1,
+        dataset_sink_mode: bool = True,
+        verbose: bool = True,
+    ):
+        self.dataset = dataset
+        self.every_epochs = _check_positive("every_epochs", every_epochs)
+        self.dataset_sink_mode = dataset_sink_mode
+        self.verbose = verbose
+        self.results: dict[int, dict[str, float]] = {}
+        self._evaluate: Any = None
+
+    def on_train_begin(self, run: RunContext) -> None:
+        from sinkax.train.model import Evaluator
+
+        passes = run.epochs // self.every_epochs - run.initial_epoch // self.every_epochs
+        if passes:  # one sink for all evaluations of the run: compiled once
+            self._evaluate = Evaluator(run.model, self.dataset, self.dataset_sink_mode, passes)
+
+    def on_epoch_end(self, run: RunContext) -> None:
+        if run.epoch % self.every_epochs:
+            return
+        metrics = self._evaluate(run.state.params)
+        self.results[run.epoch] = metrics
+        if self.verbose:
+            shown = ", ".join(f"{name} is {value:.4f}" for name, value in metrics.items())
+            print(f"epoch: {run.epoch} eval: {shown}", flush=True)
+
+    def on_train_end(self, run: RunContext) -> None:
+        if self._evaluate is not None:
+            self._evaluate.close()
+            self._evaluate = None
+
+
+def layout(tree: Any) -> list[list[Any]]:
+    """``[path, shape, dtype]`` of every leaf: what a checkpoint must match to be restored.
+
+    >>> layout({"w": np.zeros((2, 3), np.float32)})
+    [["['w']", [2, 3], 'float32']]
+    """
+    return [
+        [jax.tree_util.keystr(path), list(np.shape(leaf)), str(jnp.result_type(leaf))]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def _layout_mismatch(saved: list[list[Any]], current: list[list[Any]]) -> list[str]:
+    saved_by_path = {path: (shape, dtype) for path, shape, dtype in saved}
+    current_by_path = {path: (shape, dtype) for path, shape, dtype in current}
+    problems = [f"{p}: only in the checkpoint" for p in saved_by_path if p not in current_by_path]
+    problems += [f"{p}: not in the checkpoint" for p in current_by_path if p not in saved_by_path]
+    problems += [
+        f"{p}: shape {tuple(saved_by_path[p][0])} {saved_by_path[p][1]} in the checkpoint, "
+        f"{tuple(s)} {d} in this model"
+        for p, (s, d) in current_by_path.items()
+        if p in saved_by_path and saved_by_path[p] != (s, d)
+    ]
+    return problems
+
+
+class ModelCheckpoint(Callback):
+    """Saves the train state and the data position with orbax every ``save_every_epochs``.
+
+    Each checkpoint (named by the global step) holds params, optimizer state, step, epoch and
+    the sink's ``data_state()``; the last ``keep_last`` are kept. Resume with
+    ``model.train(..., resume_from=directory)`` (or this object): training continues with
+    exactly the next batch.
+
+    >>> import tempfile
+    >>> ModelCheckpoint(tempfile.mkdtemp(), keep_last=2).latest_step() is None
+    True
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], keep_last: int = 5, save_every_epochs: int = 1
+    ):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.keep_last = _check_positive("keep_last", keep_last)
+        self.save_every_epochs = _check_positive("save_every_epochs", save_every_epochs)
+        self._manager: Any = None
+
+    def _open(self) -> Any:
+        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
+        if self._manager is None:
+            options = ocp.CheckpointManagerOptions(max_to_keep=self.keep_last)
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=("state", "meta")
+            )
+        return self._manager
+
+    def _close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+    def latest_step(self) -> int | None:
+        """The global step of the newest checkpoint, or ``None`` if there is none."""
+        if not os.path.isdir(self.directory):
+            return None
+        return self._open().latest_step()
+
+    def on_train_begin(self, run: RunContext) -> None:
+        latest = self.latest_step()
+        if latest is not None and latest > run.step:
+            raise ValueError(
+                f"{self.directory} holds checkpoints up to step {latest}, beyond this run's "
+                f"start (step {run.step}): they belong to another run. Resume from them with "
+                "model.train(..., resume_from=directory), or save into an empty directory."
+            )
+
+    def on_epoch_end(self, run: RunContext) -> None:
+        if run.epoch % self.save_every_epochs == 0:
+            self.save(run)
+
+    def on_train_end(self, run: RunContext) -> None:
+        self._close()
+
+    def save(self, run: RunContext) -> None:
+        """Save now (asynchronously: the state is copied to the host first)."""
+        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
+        state = jax.device_get(run.state)
+        meta = {
+            "epoch": run.epoch,
+            "step": run.step,
+            "data_state": run.data_state(),
+            "layout": layout(state),
+        }
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self._open().save(run.step, args=args, force=True)
+
+    def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """``(state, meta)`` of checkpoint ``step`` (default: the latest), shaped like ``like``.
+
+        Raises ``ValueError`` naming the differing leaves if the checkpoint was written by a
+        model with another params or optimizer-state layout.
+        """
+        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
+        self._close()  # pending saves finish first
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"No checkpoint in {self.directory} to resume from.")
+        try:
+            meta = self._open().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = meta["meta"]
+            problems = _layout_mismatch(meta["layout"], layout(like))
+            if problems:
+                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+                raise ValueError(
+                    f"The checkpoint {self.directory} (step {step}) was written by a different "
+                    f"model and cannot be restored into this one: {'; '.join(problems[:5])}{more}."
+                    " Resume with the network and optimizer it was trained with, or train from "
+                    "scratch."
+                )
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), like
+            )
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            return self._open().restore(step, args=args)["state"], meta
+        finally:
+            self._close()

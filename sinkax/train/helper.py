@@ -1,0 +1,272 @@
+"""Custom training loops: :class:`DatasetHelper` and :func:`connect_network_with_dataset`.
+
+The helper decides how data reaches a step function; the connected network runs it. Iterating
+the helper once is one epoch:
+
+* sink mode: one item per epoch, and each ``net(state)`` call runs one whole sink on the device
+  (``sink_size`` steps, or the rest of the epoch for ``-1``) through :func:`sinkax.data_sink`;
+* non-sink mode: one host batch per item, and each ``net(state)`` call runs one (jitted) step on
+  the batch just yielded.
+
+Either way ``net(state)`` returns ``(state, outs)`` with every step's output stacked on axis 0,
+so the same loop body serves both modes:
+
+>>> import numpy as np
+>>> data = [{"x": np.float32(i)} for i in range(4)]
+>>> with DatasetHelper(data, dataset_sink_mode=True, sink_size=-1, epoch_num=2) as helper:
+...     net = connect_network_with_dataset(lambda s, b: (s + b["x"], b["x"]), helper)
+...     state = np.float32(0)
+...     for epoch in range(2):
+...         for _ in helper:
+...             state, outs = net(state)
+...         print(epoch, float(state), outs.tolist())
+0 6.0 [0.0, 1.0, 2.0, 3.0]
+1 12.0 [0.0, 1.0, 2.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sinkax import context
+from sinkax.channel.source import as_source
+from sinkax.errors import SinkClosedError
+from sinkax.sink import Sink, SinkStats, data_sink
+
+_NO_STATE: Any = object()
+
+
+class DatasetHelper:
+    """How a dataset feeds a connected network: one sink or one host batch per iteration.
+
+    Args:
+      dataset: what :func:`sinkax.data_sink` accepts; non-sink mode needs a known ``len()``.
+      dataset_sink_mode: sink (``True``) or feed host batches one step at a time (``False``).
+      sink_size: steps per epoch in sink mode: ``-1`` is a whole pass over the dataset, ``> 0``
+        is ``sink_size`` steps continuing where the last epoch stopped. Ignored in non-sink
+        mode, where every epoch is a whole pass.
+      epoch_num: how many epochs the helper is iterated; after the last one it closes itself
+        (stops the data producer). Iterating it again raises :class:`~sinkax.SinkClosedError`.
+      data_state: a :meth:`data_state` to continue from (e.g. read from a checkpoint).
+      **sink_options: more :func:`sinkax.data_sink` options (``jit``, ``strategy``,
+        ``prefetch``, ``device``, ...); non-sink mode uses ``jit``, ``device`` and
+        ``read_options``.
+
+    Items yielded: in sink mode the number of steps the next ``net(state)`` call runs; in
+    non-sink mode the host batch it runs on.
+
+    >>> import numpy as np
+    >>> data = [(np.float32(i), np.float32(1)) for i in range(3)]
+    >>> helper = DatasetHelper(data, dataset_sink_mode=False)
+    >>> net = connect_network_with_dataset(lambda s, b: (s + b[0], b[0]), helper)
+    >>> state = np.float32(0)
+    >>> for x, _ in helper:
+    ...     state, outs = net(state)
+    >>> float(state), outs.shape, helper.data_state()["epoch"]
+    (3.0, (1,), 1)
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        dataset_sink_mode: bool = True,
+        sink_size: int = -1,
+        epoch_num: int = 1,
+        *,
+        data_state: dict[str, Any] | None = None,
+        **sink_options: Any,
+    ):
+        valid = isinstance(epoch_num, numbers.Integral) and not isinstance(epoch_num, bool)
+        if not valid or epoch_num <= 0:
+            raise ValueError(f"epoch_num must be a positive int, got {epoch_num!r}.")
+        self.dataset = dataset
+        self.dataset_sink_mode = bool(dataset_sink_mode)
+        self.sink_size = int(sink_size) if self.dataset_sink_mode else -1
+        self.epoch_num = int(epoch_num)
+        self._options = sink_options
+        self._epochs_done = 0
+        self._sink: Sink | None = None
+        self._host: _HostFeed | None = None
+        self._net: _HostNet | None = None
+        if self.dataset_sink_mode:
+            self._data_state = data_state
+        else:
+            self._host = _HostFeed(dataset, data_state, sink_options.get("read_options"))
+
+    # -- position ---------------------------------------------------------------------------
+    def _channel(self) -> Sink | _HostFeed:
+        channel = self._host or self._sink
+        if channel is None:
+            raise RuntimeError(
+                "This sink-mode DatasetHelper has no network yet: connect one with "
+                "connect_network_with_dataset(step_fn, helper) before iterating it."
+            )
+        return channel
+
+    @property
+    def epoch_length(self) -> int | None:
+        """Batches in one pass over the dataset, when known."""
+        return self._channel().epoch_length
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Steps one epoch of this helper runs: ``sink_size`` if positive, else a whole pass."""
+        return self.sink_size if self.sink_size > 0 else self.epoch_length
+
+    def data_state(self) -> dict[str, Any]:
+        """Where the next step reads, as :meth:`sinkax.Sink.data_state`: save it to resume."""
+        return self._channel().data_state()
+
+    @property
+    def stats(self) -> SinkStats | None:
+        """The sink's :class:`~sinkax.SinkStats` (``None`` in non-sink mode)."""
+        return self._sink.stats if self._sink else None
+
+    # -- iteration --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Items in the next epoch: ``1`` in sink mode, the batches left in non-sink mode."""
+        if self.dataset_sink_mode:
+            return 1
+        return self._host.epoch_length - self._host.step  # type: ignore[union-attr]
+
+    def __iter__(self) -> Iterator[Any]:
+        channel = self._channel()
+        if self._epochs_done >= self.epoch_num:
+            raise SinkClosedError(
+                f"This DatasetHelper was made for epoch_num={self.epoch_num} epoch(s) and has run "
+                "them all; create it with a larger epoch_num (or a new one with "
+                "data_state=helper.data_state() to continue)."
+            )
+        if self._sink is not None:  # a plain iterable's position reads (epoch, length) at its end
+            length = self._sink.epoch_length
+            yield self.sink_size if self.sink_size > 0 else length - channel.step % length
+        else:
+            for _ in range(len(self)):
+                yield self._host.pull()  # type: ignore[union-attr]
+        self._epochs_done += 1
+        if self._epochs_done == self.epoch_num:
+            self.close()
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the data producer; idempotent. :meth:`data_state` stays readable."""
+        if self._sink is not None:
+            self._sink.close()
+        if self._host is not None:
+            self._host.close()
+
+    def __enter__(self) -> DatasetHelper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HostFeed:
+    """Non-sink mode: the dataset read on the host, one batch handed out at a time."""
+
+    def __init__(self, dataset: Any, data_state: dict[str, Any] | None, read_options: Any):
+        self._source = as_source(dataset, read_options)
+        self.epoch_length = self._source.epoch_length
+        if self.epoch_length is None:
+            raise ValueError(
+                f"dataset_sink_mode=False runs whole passes over the dataset, which needs a "
+                f"dataset of known length; {type(dataset).__name__} has no len(). Use a sized "
+                "dataset (a grain MapDataset, a list) or sink mode with sink_size > 0."
+            )
+        if data_state is not None:
+            self._source.set_state(data_state["source"])
+        self._committed = self._snapshot()
+        self._pending: Any = _NO_STATE
+
+    def _snapshot(self) -> dict[str, Any]:
+        position = self._source.position
+        epoch, step = position.epoch + position.step // self.epoch_length, position.step
+        return {
+            "epoch": epoch,
+            "step": step % self.epoch_length,
+            "source": self._source.get_state(),
+        }
+
+    @property
+    def step(self) -> int:
+        return self._committed["step"]
+
+    def data_state(self) -> dict[str, Any]:
+        return dict(self._committed)
+
+    def pull(self) -> Any:
+        """The next batch; from here on it counts as consumed (and is what the network runs)."""
+        self._pending = next(self._source)
+        self._committed = self._snapshot()
+        return self._pending
+
+    def take(self) -> Any:
+        """The batch last pulled, once."""
+        batch, self._pending = self._pending, _NO_STATE
+        if batch is _NO_STATE:
+            raise RuntimeError(
+                "In non-sink mode the connected network runs on the batch the DatasetHelper "
+                "just yielded: call net(state) once per item of `for _ in helper`."
+            )
+        return batch
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def connect_network_with_dataset(
+    fn: Callable[..., Any], dataset_helper: DatasetHelper
+) -> Callable[..., Any]:
+    """Bind a step function to a :class:`DatasetHelper`; returns ``net``.
+
+    ``fn(state, batch) -> (state, out)`` gives ``net(state) -> (state, outs)``; a stateless
+    ``fn(batch) -> out`` gives ``net() -> outs``. ``outs`` stacks each step's output on axis 0
+    (one row per step of the sink; one row in non-sink mode). In sink mode ``net`` is the
+    :class:`~sinkax.Sink` itself, and the state passed in is donated: use the returned one.
+    A helper feeds one network.
+
+    >>> import numpy as np
+    >>> helper = DatasetHelper([np.float32(2)] * 3, sink_size=2, epoch_num=1)
+    >>> net = connect_network_with_dataset(lambda b: b * 10, helper)
+    >>> [net().tolist() for _ in helper]
+    [[20.0, 20.0]]
+    """
+    helper = dataset_helper
+    if helper._sink is not None or helper._net is not None:
+        raise RuntimeError("This DatasetHelper already feeds a network; create one per network.")
+    if helper.dataset_sink_mode:
+        helper._sink = data_sink(
+            fn, helper.dataset, helper.sink_size, data_state=helper._data_state, **helper._options
+        )
+        return helper._sink
+    helper._net = _HostNet(fn, helper._host, helper._options)  # type: ignore[arg-type]
+    return helper._net
+
+
+class _HostNet:
+    """Non-sink mode: one (jitted) step on the batch the helper yielded, outputs stacked."""
+
+    def __init__(self, fn: Callable[..., Any], feed: _HostFeed, options: dict[str, Any]):
+        jit = options.get("jit")
+        jit = context.get_context("mode") == context.GRAPH_MODE if jit is None else jit
+        self._feed = feed
+        self._device = options.get("device") or context.default_device()
+        self._stateful = jax.jit(fn, donate_argnums=0) if jit else fn
+        self._stateless = jax.jit(fn) if jit else fn
+
+    def __call__(self, state: Any = _NO_STATE) -> Any:
+        batch = jax.device_put(self._feed.take(), self._device)
+        if state is _NO_STATE:
+            return _stack_one(self._stateless(batch))
+        state, out = self._stateful(jax.device_put(state, self._device), batch)
+        return state, _stack_one(out)
+
+
+def _stack_one(out: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), out)

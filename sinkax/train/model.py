@@ -1,0 +1,251 @@
+"""``Model``: MindSpore's high-level ``train``/``eval``/``predict`` for a JAX network.
+
+The network is plain functions and pytrees: ``apply_fn(params, x) -> logits`` with ``params``
+any pytree (a flax ``module.apply`` with its ``variables`` plugs straight in; for equinox pass
+``params, static = eqx.partition(model, eqx.is_array)`` and
+``apply_fn = lambda p, x: jax.vmap(eqx.combine(p, static))(x)``). Training state is a
+:class:`~sinkax.train.TrainState` pytree, available as ``model.state``.
+
+>>> import jax.numpy as jnp, numpy as np, optax
+>>> x = np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32)
+>>> data = [{"image": x[i:i + 8], "label": (x[i:i + 8, 0] > 0).astype(np.int32)}
+...         for i in range(0, 64, 8)]
+>>> model = Model(lambda p, x: x @ p["w"], {"w": jnp.zeros((2, 2))}, cross_entropy,
+...               optax.sgd(0.5))
+>>> run = model.train(3, data)
+>>> run.epoch, run.step, model.eval(data)["accuracy"] > 0.9
+(3, 24, True)
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sinkax import context
+from sinkax.train.callbacks import Callback, ModelCheckpoint, RunContext
+from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
+from sinkax.train.steps import (
+    ApplyFn,
+    LossFn,
+    Metric,
+    TrainState,
+    cross_entropy,
+    make_eval_step,
+    make_train_step,
+    split_batch,
+)
+
+
+def _check_epochs(epoch: Any, initial_epoch: Any) -> None:
+    for name, value, minimum in (("epoch", epoch, 1), ("initial_epoch", initial_epoch, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    if epoch <= initial_epoch:
+        raise ValueError(
+            f"epoch={epoch} is the number of the last epoch to train, so it must exceed "
+            f"initial_epoch={initial_epoch} (the epochs already done); nothing would run."
+        )
+
+
+def _notify(callbacks: Sequence[Callback], hook: str, run: RunContext) -> None:
+    for callback in callbacks:
+        getattr(callback, hook)(run)
+
+
+class Model:
+    """Train, evaluate and predict with ``apply_fn(params, x)``, sinking steps to the device.
+
+    Args:
+      apply_fn: ``apply_fn(params, x) -> logits``.
+      params: the initial params (any pytree of arrays).
+      loss_fn: ``loss_fn(logits, labels) -> scalar``; default mean sparse softmax cross-entropy.
+      optimizer: an optax ``GradientTransformation`` (``None`` for an eval-only model).
+      metrics: metric names (``"accuracy"``) or ``{name: fn(logits, labels)}`` for :meth:`eval`.
+      opt_state: an optimizer state to continue from (default ``optimizer.init(params)``).
+      input_key, label_key: the batch entries holding inputs and labels (mapping batches);
+        ``(x, y)`` pairs work as they are.
+      sink_options: more :func:`sinkax.data_sink` options (``strategy``, ``prefetch``,
+        ``timeout``, ``read_options``, ...) for every sink the model makes.
+    """
+
+    def __init__(
+        self,
+        apply_fn: ApplyFn,
+        params: Any,
+        loss_fn: LossFn = cross_entropy,
+        optimizer: optax.GradientTransformation | None = None,
+        *,
+        metrics: Sequence[str] | Mapping[str, Metric] = ("accuracy",),
+        opt_state: Any = None,
+        input_key: str = "image",
+        label_key: str = "label",
+        sink_options: Mapping[str, Any] | None = None,
+    ):
+        self.apply_fn = apply_fn
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.sink_options = dict(sink_options or {})
+        keys = {"input_key": input_key, "label_key": label_key}
+        self._label_of: Callable[[Any], Any] = lambda batch: split_batch(batch, **keys)[1]
+        if optimizer is None:
+            self._train_step = None
+            self.state = TrainState(jnp.zeros((), jnp.int32), params, None)
+        else:
+            self._train_step = make_train_step(apply_fn, loss_fn, optimizer, **keys)
+            self.state = TrainState.create(params, optimizer, opt_state)
+        self._eval_step = make_eval_step(apply_fn, loss_fn, metrics=metrics, **keys)
+        self._predict = jax.jit(apply_fn)
+
+    def _eval_and_count(self, params: Any, batch: Any) -> tuple[Any, Any]:
+        """The eval step carrying the params through, with the batch size for weighting."""
+        size = jnp.asarray(jnp.shape(self._label_of(batch))[0])
+        return params, (self._eval_step(params, batch), size)
+
+    @property
+    def params(self) -> Any:
+        """The current params."""
+        return self.state.params
+
+    def train(
+        self,
+        epoch: int,
+        train_dataset: Any,
+        callbacks: Callback | Sequence[Callback] | None = None,
+        dataset_sink_mode: bool = True,
+        sink_size: int = -1,
+        initial_epoch: int = 0,
+        resume_from: str | ModelCheckpoint | None = None,
+    ) -> RunContext:
+        """Train up to epoch number ``epoch``; returns the final :class:`RunContext`.
+
+        * sink mode, ``sink_size=-1``: each epoch is one pass over the dataset, run as one sink;
+        * sink mode, ``sink_size > 0``: each epoch is one sink of ``sink_size`` steps and the
+          data is traversed endlessly, each epoch continuing where the last stopped (``epoch *
+          sink_size`` steps in all);
+        * ``dataset_sink_mode=False``: one jitted step per host batch, callbacks after every
+          step, each epoch a whole pass; ``sink_size`` is ignored.
+
+        Epochs ``initial_epoch + 1 .. epoch`` run (numbered from 1, as printed).
+        ``resume_from`` (a checkpoint directory or :class:`ModelCheckpoint`) restores the state,
+        the epoch count and the data position of its latest checkpoint, so training continues
+        with exactly the next batch. One sink serves the whole call (its producer prefetches
+        across epoch boundaries) and is closed at the end. With ``enable_profiling`` set in
+        :func:`sinkax.set_context`, the run is traced.
+        """
+        if self._train_step is None:
+            raise ValueError("This Model has no optimizer: pass optimizer= to train it.")
+        _check_epochs(epoch, initial_epoch)
+        data_state = None
+        if resume_from is not None:
+            if initial_epoch:
+                raise ValueError("Pass initial_epoch or resume_from, not both.")
+            meta = self.restore(resume_from)
+            initial_epoch, data_state = meta["epoch"], meta["data_state"]
+            _check_epochs(epoch, initial_epoch)
+        if not dataset_sink_mode and sink_size != -1:
+            warnings.warn(
+                "sink_size is ignored when dataset_sink_mode=False: every epoch is one pass "
+                "over the dataset.",
+                stacklevel=2,
+            )
+        if isinstance(callbacks, Callback):
+            callbacks = [callbacks]
+        callbacks = list(callbacks or [])
+        helper = DatasetHelper(
+            train_dataset,
+            dataset_sink_mode,
+            sink_size,
+            epoch_num=epoch - initial_epoch,
+            data_state=data_state,
+            **self.sink_options,
+        )
+        with helper, context.profiling():
+            net = connect_network_with_dataset(self._train_step, helper)
+            run = RunContext(
+                model=self,
+                state=self.state,
+                helper=helper,
+                initial_epoch=initial_epoch,
+                epochs=epoch,
+                epoch=initial_epoch,
+                step=int(self.state.step),
+            )
+            _notify(callbacks, "on_train_begin", run)
+            for number in range(initial_epoch + 1, epoch + 1):
+                run.epoch, run.step_in_epoch = number, 0
+                _notify(callbacks, "on_epoch_begin", run)
+                items, done = len(helper), 0
+                for _ in helper:
+                    self.state, run.outputs = net(self.state)
+                    steps = len(run.outputs["loss"])
+                    run.state, run.step, done = self.state, run.step + steps, done + 1
+                    run.step_in_epoch += steps
+                    _notify(callbacks, "on_step_end", run)
+                    if run.stop_requested:
+                        break
+                if done == items:
+                    _notify(callbacks, "on_epoch_end", run)
+                if run.stop_requested:
+                    break
+            _notify(callbacks, "on_train_end", run)
+        return run
+
+    def restore(self, checkpoint: str | ModelCheckpoint, step: int | None = None) -> dict[str, Any]:
+        """Load checkpoint ``step`` (default: latest) into :attr:`state`; returns its metadata.
+
+        The metadata has ``epoch``, ``step`` and ``data_state`` (pass it to
+        :class:`~sinkax.train.DatasetHelper` or :func:`sinkax.data_sink` to continue a custom
+        loop). A checkpoint of a model with another layout raises ``ValueError`` untouched.
+        """
+        if not isinstance(checkpoint, ModelCheckpoint):
+            checkpoint = ModelCheckpoint(checkpoint)
+        state, meta = checkpoint.restore(self.state, step)
+        self.state = jax.device_put(state, context.default_device())
+        return {key: meta[key] for key in ("epoch", "step", "data_state")}
+
+    def eval(self, valid_dataset: Any, dataset_sink_mode: bool = True) -> dict[str, float]:
+        """``{"loss", *metrics}`` over exactly one pass of ``valid_dataset``.
+
+        In sink mode the pass is one sink (``sink_size=-1``) that carries a copy of the params
+        through (as an argument, not baked into the executable as constants). Each metric is
+        the mean over samples.
+        """
+        evaluate = Evaluator(self, valid_dataset, dataset_sink_mode, passes=1)
+        try:
+            return evaluate(self.state.params)
+        finally:
+            evaluate.close()
+
+    def predict(self, x: Any) -> jax.Array:
+        """``apply_fn(params, x)``, jitted."""
+        return self._predict(self.state.params, x)
+
+
+class Evaluator:
+    """Evaluates params over one pass of a dataset per call, on one sink for all ``passes``
+    calls (compiled once); :class:`~sinkax.train.EvalCallback` keeps one for a whole run."""
+
+    def __init__(self, model: Model, dataset: Any, dataset_sink_mode: bool, passes: int):
+        self._helper = DatasetHelper(dataset, dataset_sink_mode, -1, passes, **model.sink_options)
+        self._net = connect_network_with_dataset(model._eval_and_count, self._helper)
+
+    def __call__(self, params: Any) -> dict[str, float]:
+        params, parts = jax.tree.map(jnp.copy, params), []  # a copy: the sink donates it
+        for _ in self._helper:
+            params, outs = self._net(params)
+            parts.append(outs)
+        metrics, counts = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+        names = sorted(metrics, key=lambda name: name != "loss")  # loss first
+        return {name: float(np.average(metrics[name], weights=counts)) for name in names}
+
+    def close(self) -> None:
+        """Stop the data producer."""
+        self._helper.close()

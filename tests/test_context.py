@@ -1,0 +1,65 @@
+"""``set_context`` as ``Model.train`` sees it: modes, device targets, graph dumps, profiling."""
+
+import dataclasses
+import json
+
+import pytest
+from test_model import History, assert_trees_close, blobs, new_model
+
+import sinkax
+from sinkax.backend import available
+
+
+@pytest.fixture(autouse=True)
+def restore_context():
+    saved = sinkax.get_context()
+    yield
+    sinkax.set_context(**dataclasses.asdict(saved))
+
+
+def train(**train_options):
+    model, history = new_model(sink_options={}), History()
+    run = model.train(2, blobs(6), callbacks=history, **train_options)
+    return model.state, history.losses, run
+
+
+@pytest.mark.parametrize("train_options", [{"sink_size": 4}, {"dataset_sink_mode": False}])
+def test_graph_and_pynative_modes_train_alike(train_options):
+    sinkax.set_context(mode=sinkax.GRAPH_MODE)
+    graph_state, graph_losses, graph_run = train(**train_options)
+    sinkax.set_context(mode=sinkax.PYNATIVE_MODE)
+    eager_state, eager_losses, eager_run = train(**train_options)
+    assert_trees_close(eager_state, graph_state, rtol=1e-5, atol=1e-6)
+    assert_trees_close(eager_losses, graph_losses, rtol=1e-5, atol=1e-6)
+    if train_options.get("dataset_sink_mode", True):
+        assert graph_run.sink_stats.strategy != "eager" and graph_run.sink_stats.compiles >= 1
+        assert eager_run.sink_stats.strategy == "eager" and eager_run.sink_stats.compiles == 0
+
+
+def test_an_unavailable_device_target_lists_the_available_ones():
+    if "GPU" in available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match=r"device_target='GPU' is not available.*CPU: \d+ device"):
+        sinkax.set_context(device_target="GPU")
+    assert sinkax.get_context("device_target") != "GPU"
+
+
+def test_save_graphs_dumps_the_sink_executables_with_their_loop(tmp_path):
+    sinkax.set_context(save_graphs=str(tmp_path))
+    train(sink_size=3)
+    stablehlo = sorted(tmp_path.glob("*.stablehlo.mlir"))
+    hlo = sorted(tmp_path.glob("*.hlo.txt"))
+    assert stablehlo and len(stablehlo) == len(hlo)
+    assert any("stablehlo.while" in path.read_text() for path in stablehlo)
+    assert any("while" in path.read_text() for path in hlo)
+
+
+def test_profiling_writes_a_trace(tmp_path):
+    options = {"result_path": str(tmp_path / "profile"), "training_trace": "on"}
+    sinkax.set_context(enable_profiling=True, profiling_options=json.dumps(options))
+    try:  # jaxlib's own profiler writes the trace; TensorBoard/xprof are only for viewing it
+        train(sink_size=3)
+    except ImportError as error:
+        pytest.skip(f"jax.profiler cannot trace here: {error}")
+    traces = list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
+    assert traces, list((tmp_path / "profile").rglob("*"))

@@ -1,0 +1,402 @@
+"""``Model`` train/eval/predict, the train and eval steps, ``DatasetHelper``, resuming."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sinkax
+from sinkax.train import (
+    Callback,
+    DatasetHelper,
+    History,
+    Model,
+    ModelCheckpoint,
+    TerminateOnNaN,
+    TrainState,
+    connect_network_with_dataset,
+    cross_entropy,
+    make_eval_step,
+    make_train_step,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+
+
+# -- a tiny learnable problem: two Gaussian blobs, a linear classifier --------------------------
+def blobs(num_batches: int = 10, batch_size: int = 16, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, (num_batches, batch_size)).astype(np.int32)
+    centers = np.array([[-2.0, -1.0], [2.0, 1.0]], np.float32)
+    images = centers[labels] + rng.normal(size=(num_batches, batch_size, 2)).astype(np.float32)
+    return [{"image": images[i], "label": labels[i]} for i in range(num_batches)]
+
+
+def shuffled_blobs(num_batches: int = 10, seed: int = 0) -> grain.MapDataset:
+    """The blobs as a grain dataset that reshuffles the batch order every epoch."""
+    return grain.MapDataset.source(blobs(num_batches)).shuffle(seed=seed)
+
+
+def linear(params, x):
+    return x @ params["w"] + params["b"]
+
+
+def init_params():
+    return {"w": jnp.zeros((2, 2)), "b": jnp.zeros((2,))}
+
+
+SCAN = {"sink_options": {"strategy": "scan"}}  # one strategy: runs comparable bit for bit
+
+
+def new_model(**options) -> Model:
+    """The linear classifier; its sinks use the "loop" strategy (the fastest to compile)."""
+    options.setdefault("sink_options", {"strategy": "loop"})
+    return Model(linear, init_params(), cross_entropy, OPTIMIZER, **options)
+
+
+def reference(batches, steps: int):
+    """``steps`` plain jitted steps over ``batches`` cycled: final state and losses."""
+    step = jax.jit(make_train_step(linear, cross_entropy, OPTIMIZER))
+    state, losses = TrainState.create(init_params(), OPTIMIZER), []
+    for i in range(steps):
+        state, metrics = step(state, batches[i % len(batches)])
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses)
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, run):
+        self.events.append(("train_begin", run.epoch, run.step))
+
+    def on_epoch_begin(self, run):
+        self.events.append(("epoch_begin", run.epoch))
+
+    def on_step_end(self, run):
+        self.events.append(("step_end", run.epoch, run.step_in_epoch, len(run.losses)))
+
+    def on_epoch_end(self, run):
+        self.events.append(("epoch_end", run.epoch, run.step))
+
+    def on_train_end(self, run):
+        self.events.append(("train_end", run.epoch, run.step))
+
+    def count(self, kind):
+        return sum(event[0] == kind for event in self.events)
+
+
+def assert_trees_close(a, b, **tolerance):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tolerance), a, b)
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+# -- step counts and callback calls ---------------------------------------------------------
+def test_sink_size_minus_one_is_one_pass_per_epoch():
+    recorder, model = Recorder(), new_model(sink_options={})  # the default "auto" strategy
+    run = model.train(3, blobs(10), callbacks=[recorder])
+    assert int(model.state.step) == run.step == 30
+    assert recorder.events[0] == ("train_begin", 0, 0)
+    assert [e for e in recorder.events if e[0] == "step_end"] == [
+        ("step_end", epoch, 10, 10) for epoch in (1, 2, 3)
+    ]
+    assert recorder.count("epoch_end") == 3
+    assert recorder.events[-1] == ("train_end", 3, 30)
+
+
+def test_positive_sink_size_continues_across_epochs():
+    batches, history, recorder = blobs(10), History(), Recorder()
+    model = new_model()
+    run = model.train(5, batches, callbacks=[history, recorder], sink_size=4)  # 5 x 4 steps
+    assert run.step == 20 and recorder.count("step_end") == 5
+    assert [e[2:] for e in recorder.events if e[0] == "step_end"] == [(4, 4)] * 5
+    state, losses = reference(batches, 20)  # traversal continues: batches 0..9, 0..9
+    np.testing.assert_allclose(history.losses, losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(model.state, state, rtol=1e-5, atol=1e-6)
+
+
+def test_sink_size_larger_than_the_dataset_wraps_around():
+    model = new_model()
+    run = model.train(2, shuffled_blobs(4), sink_size=6)
+    assert run.step == 12 and run.data_state()["epoch"] == 3  # 12 batches: 3 passes of 4
+
+
+def test_non_sink_mode_steps_every_batch_and_ignores_sink_size():
+    batches, recorder, history = blobs(10), Recorder(), History()
+    model = new_model()
+    with pytest.warns(UserWarning, match="sink_size is ignored"):
+        run = model.train(2, batches, [recorder, history], dataset_sink_mode=False, sink_size=4)
+    assert run.step == 20 and run.sink_stats is None
+    steps = [e for e in recorder.events if e[0] == "step_end"]
+    assert steps == [("step_end", epoch, i, 1) for epoch in (1, 2) for i in range(1, 11)]
+    state, losses = reference(batches, 20)
+    np.testing.assert_allclose(history.losses, losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(model.state, state, rtol=1e-5, atol=1e-6)
+
+
+def test_initial_epoch_numbers_the_epochs_that_run():
+    recorder = Recorder()
+    run = new_model().train(4, blobs(3), callbacks=recorder, initial_epoch=2)
+    assert [e[1] for e in recorder.events if e[0] == "epoch_begin"] == [3, 4]
+    assert run.step == 6
+
+
+def test_one_sink_serves_the_whole_train_call():
+    run = new_model(**SCAN).train(3, blobs(5), sink_size=2)
+    stats = run.sink_stats
+    assert stats.calls == 3 and stats.steps == 6 and stats.strategy == "scan"
+
+
+# -- eval, predict, batch formats -------------------------------------------------------------
+def test_eval_and_predict_on_a_learnable_problem():
+    model = new_model()
+    before = model.eval(blobs(5, seed=1))
+    model.train(3, blobs(10))
+    after = model.eval(blobs(5, seed=1))
+    assert set(after) == {"loss", "accuracy"}
+    assert after["accuracy"] > 0.9 and after["loss"] < before["loss"]
+    host = model.eval(blobs(5, seed=1), dataset_sink_mode=False)
+    assert host == pytest.approx(after, rel=1e-5)
+    logits = model.predict(blobs(1, seed=1)[0]["image"])
+    assert logits.shape == (16, 2)
+
+
+def test_eval_weighs_a_ragged_last_batch_by_its_size_in_non_sink_mode():
+    data = blobs(3)
+    ragged = [*data[:2], {"image": data[2]["image"][:4], "label": data[2]["label"][:4]}]
+    model = new_model(metrics={"first_label": lambda logits, labels: labels[0].astype(float)})
+    result = model.eval(ragged, dataset_sink_mode=False)
+    per_batch = np.array([b["label"][0] for b in ragged], float)
+    assert result["first_label"] == pytest.approx(np.average(per_batch, weights=[16, 16, 4]))
+
+
+def test_tuple_batches_and_custom_keys():
+    pairs = [(b["image"], b["label"]) for b in blobs(4)]
+    renamed = [{"x": b["image"], "y": b["label"]} for b in blobs(4)]
+    by_pairs, by_keys = new_model(), new_model(input_key="x", label_key="y")
+    by_pairs.train(1, pairs)
+    by_keys.train(1, renamed)
+    assert_trees_close(by_pairs.state, by_keys.state, rtol=1e-6)
+    with pytest.raises(KeyError, match=r"input_key=.*label_key="):
+        new_model().train(1, renamed)
+
+
+def test_flax_style_variables_and_an_eval_only_model():
+    variables = {"params": init_params()}
+    model = Model(lambda v, x: linear(v["params"], x), variables)
+    assert model.eval(blobs(2))["accuracy"] == pytest.approx(0.5, abs=0.3)
+    with pytest.raises(ValueError, match="no optimizer"):
+        model.train(1, blobs(2))
+
+
+def test_gradient_accumulation_with_multisteps_matches_bigger_batches():
+    data = blobs(8)
+    halves = [{k: v[i : i + 8] for k, v in b.items()} for b in data for i in (0, 8)]
+    accumulate = Model(linear, init_params(), cross_entropy, optax.MultiSteps(OPTIMIZER, 2))
+    accumulate.train(1, halves)
+    whole = new_model()
+    whole.train(1, data)
+    assert_trees_close(accumulate.params, whole.params, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_example_runs():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "gradient_accumulation.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "loss is" in result.stdout and "same params" in result.stdout
+
+
+# -- custom loops ----------------------------------------------------------------------------
+@pytest.mark.parametrize("sink_mode", [True, False])
+def test_connected_network_gives_the_model_results(sink_mode):
+    batches = blobs(6)
+    step = make_train_step(linear, cross_entropy, OPTIMIZER)
+    state = TrainState.create(init_params(), OPTIMIZER)
+    losses = []
+    with DatasetHelper(batches, sink_mode, sink_size=4, epoch_num=3, strategy="scan") as helper:
+        net = connect_network_with_dataset(step, helper)
+        for _ in range(3):
+            for _ in helper:
+                state, metrics = net(state)
+                losses.append(np.asarray(metrics["loss"]))
+    steps = 12 if sink_mode else 18
+    ref_state, ref_losses = reference(batches, steps)
+    np.testing.assert_allclose(np.concatenate(losses), ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+def test_helper_misuse_is_explained():
+    step = make_train_step(linear, cross_entropy, OPTIMIZER)
+    helper = DatasetHelper(blobs(2), epoch_num=1)
+    with pytest.raises(RuntimeError, match="connect_network_with_dataset"):
+        list(helper)
+    net = connect_network_with_dataset(step, helper)
+    with pytest.raises(RuntimeError, match="already feeds a network"):
+        connect_network_with_dataset(step, helper)
+    state = TrainState.create(init_params(), OPTIMIZER)
+    for _ in helper:
+        state, _ = net(state)
+    with pytest.raises(sinkax.SinkClosedError, match="epoch_num=1"):
+        list(helper)
+    host = DatasetHelper(blobs(2), dataset_sink_mode=False)
+    host_net = connect_network_with_dataset(step, host)
+    with pytest.raises(RuntimeError, match="once per item"):
+        host_net(state)
+
+
+def test_eval_step_in_a_stateless_sink():
+    model = new_model()
+    model.train(2, blobs(10))
+    eval_step = make_eval_step(linear, cross_entropy)
+    with sinkax.data_sink(lambda b: eval_step(model.params, b), blobs(5, seed=1), -1) as sink:
+        metrics = sink()
+    assert float(metrics["accuracy"].mean()) == pytest.approx(
+        model.eval(blobs(5, seed=1))["accuracy"]
+    )
+
+
+# -- errors users meet -----------------------------------------------------------------------
+def test_a_non_scalar_loss_is_explained():
+    model = Model(linear, init_params(), optax.softmax_cross_entropy_with_integer_labels, OPTIMIZER)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar, got shape \(16,\).*mean"):
+        model.train(1, blobs(2))
+
+
+def test_an_optimizer_state_of_other_params_is_explained():
+    other = OPTIMIZER.init({"w": jnp.zeros((3, 2)), "b": jnp.zeros((2,))})
+    with pytest.raises(ValueError, match=r"does not match the params.*optimizer.init\(params\)"):
+        new_model(opt_state=other)
+    step = make_train_step(linear, cross_entropy, OPTIMIZER)
+    with pytest.raises(ValueError, match="does not match the params"):
+        step(TrainState(jnp.int32(0), init_params(), other), blobs(1)[0])
+
+
+def test_a_ragged_last_batch_surfaces_the_sink_error_unchanged():
+    data = blobs(3)
+    ragged = [*data[:2], {"image": data[2]["image"][:5], "label": data[2]["label"][:5]}]
+    model = new_model()
+    with pytest.raises(sinkax.BatchSpecError, match=r"\(16, 2\).*\(5, 2\).*drop_remainder"):
+        model.train(2, ragged)
+    jax.block_until_ready(model.state)  # still valid
+    assert int(model.state.step) == 0
+
+
+@pytest.mark.parametrize(
+    ("epoch", "initial_epoch", "match"),
+    [(0, 0, "epoch must be an int >= 1"), (-1, 0, ">= 1"), (2.5, 0, ">= 1"), (2, 2, "exceed")],
+)
+def test_bad_epoch_counts(epoch, initial_epoch, match):
+    with pytest.raises(ValueError, match=match):
+        new_model().train(epoch, blobs(2), initial_epoch=initial_epoch)
+
+
+# -- NaN -------------------------------------------------------------------------------------
+def test_terminate_on_nan_stops_after_the_sink_and_keeps_finite_params():
+    data = blobs(10)
+    poisoned = [
+        *data[:5],
+        {"image": data[5]["image"] * np.nan, "label": data[5]["label"]},
+        *data[6:],
+    ]
+    stop, recorder = TerminateOnNaN(), Recorder()
+    model = new_model(**SCAN)
+    run = model.train(5, poisoned, callbacks=[stop, recorder], sink_size=4)
+    assert stop.stopped_at == (2, 4) and run.stop_requested  # step 6 is in the second sink
+    assert run.step == 8 and recorder.count("epoch_begin") == 2
+    assert recorder.events[-1] == ("train_end", 2, 8)
+    # The NaN step left params and optimizer state untouched: the same as skipping that batch.
+    skipped, _ = reference([*data[:5], *data[6:8]], 7)
+    assert_trees_close(model.state.params, skipped.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(model.state.opt_state, skipped.opt_state, rtol=1e-5, atol=1e-6)
+
+
+# -- checkpoints and resume ------------------------------------------------------------------
+def test_resume_continues_with_exactly_the_next_batch(tmp_path):
+    dataset = shuffled_blobs(10)  # reshuffled each epoch; sink_size 3 ends mid-epoch
+    uninterrupted = new_model(**SCAN)
+    uninterrupted.train(4, dataset, sink_size=3)
+    first = new_model(**SCAN)
+    first.train(2, dataset, callbacks=ModelCheckpoint(tmp_path, keep_last=2), sink_size=3)
+    resumed, history = new_model(**SCAN), History()
+    run = resumed.train(4, dataset, callbacks=history, sink_size=3, resume_from=tmp_path)
+    assert run.initial_epoch == 2 and run.step == 12 and len(history.losses) == 6
+    assert_trees_equal(resumed.state, uninterrupted.state)
+
+
+def test_resume_in_a_fresh_process(tmp_path):
+    dataset = shuffled_blobs(10)
+    uninterrupted = new_model(**SCAN)
+    uninterrupted.train(5, dataset, sink_size=4)
+    checkpoint = ModelCheckpoint(tmp_path / "ckpt", save_every_epochs=3)
+    new_model(**SCAN).train(3, dataset, callbacks=checkpoint, sink_size=4)
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, jax
+        from test_model import new_model, shuffled_blobs, SCAN
+        model = new_model(**SCAN)
+        resume = {str(tmp_path / "ckpt")!r}
+        run = model.train(5, shuffled_blobs(10), sink_size=4, resume_from=resume)
+        leaves = jax.tree.leaves(model.state)
+        np.savez({str(tmp_path / "final.npz")!r}, *leaves)
+        print(run.initial_epoch, run.step)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3", "20"]
+    saved = np.load(tmp_path / "final.npz")
+    for i, leaf in enumerate(jax.tree.leaves(uninterrupted.state)):
+        np.testing.assert_array_equal(saved[f"arr_{i}"], leaf)
+
+
+def test_resume_in_non_sink_mode_and_restore_metadata(tmp_path):
+    dataset = shuffled_blobs(6)
+    uninterrupted = new_model()
+    uninterrupted.train(3, dataset, dataset_sink_mode=False)
+    new_model().train(1, dataset, callbacks=ModelCheckpoint(tmp_path), dataset_sink_mode=False)
+    resumed = new_model()
+    meta = resumed.restore(tmp_path)
+    assert meta["epoch"] == 1 and meta["step"] == 6
+    assert json.loads(json.dumps(meta["data_state"])) == meta["data_state"]
+    resumed.train(3, dataset, dataset_sink_mode=False, resume_from=tmp_path)
+    assert_trees_equal(resumed.state, uninterrupted.state)
+
+
+def test_resuming_a_different_model_is_refused_before_restoring(tmp_path):
+    new_model().train(1, blobs(2), callbacks=ModelCheckpoint(tmp_path))
+    bigger = Model(linear, {"w": jnp.zeros((2, 3)), "b": jnp.zeros((3,))}, cross_entropy, OPTIMIZER)
+    before = jax.device_get(bigger.state)
+    with pytest.raises(ValueError, match=r"different model.*\['w'\].*\(2, 2\).*\(2, 3\)"):
+        bigger.train(2, blobs(2), resume_from=tmp_path)
+    assert_trees_equal(bigger.state, before)
+    adam = Model(linear, init_params(), cross_entropy, optax.adam(1e-3))
+    with pytest.raises(ValueError, match="different model"):
+        adam.restore(tmp_path)
+
+
+def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No checkpoint"):
+        new_model().train(2, blobs(2), resume_from=tmp_path / "empty")
+    with pytest.raises(ValueError, match="not both"):
+        new_model().train(2, blobs(2), initial_epoch=1, resume_from=tmp_path)
