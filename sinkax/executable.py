@@ -13,8 +13,9 @@ calls can share one chunk and one transfer). Two programs run a step function
   ``sinkax.strategy``).
 
 :class:`Compiler` compiles them ahead of time (``jit(...).lower(...).compile()``) with the state
-donated, caches one executable per (program, window length, argument layout), counts compiles
-and, when asked, writes the StableHLO and the optimised HLO of each executable to a folder.
+donated, caches one executable per (step function, program, window length, argument layout) --
+shared by all sinks of that step function -- counts compiles and, when asked, writes the
+StableHLO and the optimised HLO of each executable to a folder.
 
 >>> import jax.numpy as jnp
 >>> run = scan_program(lambda s, b: (s + b, s + b), steps=2)
@@ -25,6 +26,7 @@ and, when asked, writes the StableHLO and the optimised HLO of each executable t
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -64,27 +66,47 @@ def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     return treedef, tuple(x.aval if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves)
 
 
-class Compiler:
-    """Ahead-of-time compilation with a cache, a compile counter and optional graph dumps."""
+# Executables by step function, shared by every sink of that function (a new sink over the same
+# step and layouts compiles nothing); weak keys let a function and its executables go together.
+_shared: weakref.WeakKeyDictionary[Any, dict[Any, tuple[Any, Any]]] = weakref.WeakKeyDictionary()
 
-    def __init__(self, name: str, save_graphs: str | os.PathLike[str] | None = None):
+
+class Compiler:
+    """Ahead-of-time compilation with a shared cache, a compile counter and optional dumps.
+
+    ``fn`` is the user's step function: executables are cached under it, so they are reused by
+    later sinks of the same function. ``compiles`` counts what this compiler had to build.
+    """
+
+    def __init__(self, fn: Any, name: str, save_graphs: str | os.PathLike[str] | None = None):
         self.name = name
         self.save_graphs = save_graphs
         self.compiles = 0
-        self._cache: dict[Any, Any] = {}
+        try:
+            self._cache = _shared.setdefault(fn, {})
+        except TypeError:  # not weak-referenceable: cache per sink
+            self._cache = {}
+        self._dumped: set[Any] = set()
 
     def get(
         self, kind: str, steps: int, make_program: Callable[[], Callable[..., Any]], *args: Any
     ) -> Any:
         """The executable of ``make_program()`` for ``args``' layout, the first arg donated."""
         key = (kind, steps, layout(args))
-        if key not in self._cache:
+        entry = self._cache.get(key)
+        if entry is None:
             lowered = self.lower(make_program(), *args)
-            compiled = lowered.compile()
+            entry = self._cache[key] = (lowered, lowered.compile())
             self.compiles += 1
-            if self.save_graphs:
-                self._dump(f"{self.name}_{kind}_sink{steps}", lowered, compiled)
-            self._cache[key] = compiled
+        if self.save_graphs and key not in self._dumped:
+            self._dump(f"{self.name}_{kind}_sink{steps}", *entry)
+            self._dumped.add(key)
+        return entry[1]
+
+    def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, cached under ``key`` beside the executables (e.g. output shapes)."""
+        if key not in self._cache:
+            self._cache[key] = compute()
         return self._cache[key]
 
     @staticmethod

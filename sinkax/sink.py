@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from sinkax import context
 from sinkax import strategy as strategies
 from sinkax.channel.ring import Chunk, DeviceRing
-from sinkax.channel.source import Position, as_source
+from sinkax.channel.source import Position, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
 from sinkax.executable import Compiler, scan_program
 from sinkax.spec import BatchSpec
@@ -170,7 +170,7 @@ class Sink:
                 "sized dataset (a grain MapDataset, a list)."
             )
         name = getattr(fn, "__name__", type(fn).__name__).strip("<>")
-        self._compiler = Compiler(name, save_graphs or context.graphs_folder())
+        self._compiler = Compiler(fn, name, save_graphs or context.graphs_folder())
         if strategy not in strategies.NAMES:
             raise ValueError(f"strategy must be one of {strategies.NAMES}, got {strategy!r}.")
         self._strategy_name = strategy
@@ -185,14 +185,10 @@ class Sink:
         self._data_wait_s = self._busy_s = 0.0
         if data_state is not None:
             self._source.set_state(data_state["source"])
-        self._committed = self._snapshot()
+        self._committed = snapshot(self._source)
         self._start_ring()
 
     # -- data channel --------------------------------------------------------------------
-    def _snapshot(self) -> dict[str, Any]:
-        position = self._source.position
-        return {"epoch": position.epoch, "step": position.step, "source": self._source.get_state()}
-
     def _max_steps(self, spec: BatchSpec) -> int:
         return max(1, self.max_chunk_bytes // max(1, spec.nbytes))
 
@@ -225,7 +221,7 @@ class Sink:
         self._check_open()
         self._stop_ring()
         self._source.set_state(state["source"])
-        self._committed = self._snapshot()
+        self._committed = snapshot(self._source)
         self._resync = False
         self._start_ring()
 
@@ -248,7 +244,7 @@ class Sink:
     def _strategy_for(self, stateful: bool) -> Any:
         if self._stateful is None:
             self._stateful = stateful
-            fn = self.fn if stateful else (lambda state, batch: (state, self.fn(batch)))
+            fn = self.fn if stateful else _stateless(self.fn)
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler, jit=self.jit)
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
@@ -352,7 +348,7 @@ class Sink:
         steps = self.sink_size if self.sink_size > 0 else self.epoch_length
         steps = min(steps, self._max_steps(spec))  # type: ignore[type-var]
         stateless = state is _NO_STATE
-        fn = (lambda s, b: (s, self.fn(b))) if stateless else self.fn
+        fn = _stateless(self.fn) if stateless else self.fn
         return Compiler.lower(
             scan_program(fn, steps), () if stateless else state, spec.stacked(steps), 0
         )
@@ -392,6 +388,11 @@ class Sink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stateless(fn: Callable[[Any], Any]) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``fn(batch) -> out`` as a step over an empty state."""
+    return lambda state, batch: (state, fn(batch))
 
 
 def _atomic(run: Any) -> bool:

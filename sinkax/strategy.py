@@ -19,7 +19,7 @@ window of ``steps`` batches of a device-resident chunk, starting at ``offset``.
 
 >>> import jax.numpy as jnp
 >>> from sinkax.executable import Compiler
->>> loop = Loop(lambda s, b: (s + b, s + b), Compiler("demo"))
+>>> loop = Loop(lambda s, b: (s + b, s + b), Compiler(None, "demo"))
 >>> loop.run(jnp.float32(0), jnp.arange(4.0), offset=1, steps=3)[1]
 Array([1., 3., 6.], dtype=float32)
 """
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sinkax.executable import Compiler, StepFn, scan_program, step_program
+from sinkax.executable import Compiler, StepFn, layout, scan_program, step_program
 
 NAMES = ("auto", "scan", "loop")
 CLEAR_MARGIN = 1.5
@@ -83,9 +83,13 @@ class Loop:
         self._program = step_program(fn)
         self._compiler = compiler
 
-    def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
+    def _out_shape(self, state: Any, chunk: Any) -> Any:
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)
-        _, out = jax.eval_shape(self._fn, state, batch)
+        return jax.eval_shape(self._fn, state, batch)[1]
+
+    def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
+        key = ("out_shape", layout((state, chunk)))
+        out = self._compiler.memo(key, lambda: self._out_shape(state, chunk))
         device = jax.tree.leaves(chunk)[0].device
         outs = jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype, device=device), out)
         index = jax.device_put(np.array([offset, 0], np.int32), device)

@@ -1,6 +1,7 @@
 """Semantics of ``data_sink``: results, data order, errors and lifetime."""
 
 import collections
+import functools
 import os
 import threading
 import time
@@ -21,9 +22,10 @@ from conftest import (
 import sinkax
 
 
-def run_sink(batches, sink_size, calls, **options):
+def run_sink(batches, sink_size, calls, step=None, **options):
     state, losses = init_state(), []
-    with sinkax.data_sink(train_step, batches, sink_size, **options) as sink:
+    step = step or functools.partial(train_step)  # a new function: nothing cached for it yet
+    with sinkax.data_sink(step, batches, sink_size, **options) as sink:
         for _ in range(calls):
             state, loss = sink(state)
             losses.append(np.asarray(loss))
@@ -265,8 +267,15 @@ def test_at_most_prefetch_plus_one_chunks_on_the_device():
     assert stats.chunks_transferred <= stats.calls + 3
 
 
+def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
+    step = functools.partial(train_step)
+    assert run_sink(batches, 3, 2, step=step, strategy="scan")[2].compiles == 1
+    assert run_sink(batches, 3, 2, step=step, strategy="scan")[2].compiles == 0
+    assert run_sink(batches, 4, 2, step=step, strategy="scan")[2].compiles == 1
+
+
 def test_strategy_choice_is_recorded(batches):
-    with sinkax.data_sink(train_step, batches, 5) as sink:
+    with sinkax.data_sink(functools.partial(train_step), batches, 5) as sink:
         state = init_state()
         for _ in range(5):
             state, _ = sink(state)
@@ -287,8 +296,17 @@ def test_lowered_sink_is_one_loop_and_compile_time_does_not_depend_on_size(batch
 
 
 def test_save_graphs_writes_each_executable(batches, tmp_path):
+    run_sink(batches, 3, 1, step=train_step, strategy="scan")  # compiled and cached before
     with sinkax.data_sink(train_step, batches, 3, strategy="scan", save_graphs=tmp_path) as sink:
         sink(init_state())
     files = sorted(os.listdir(tmp_path))
     assert files == ["train_step_scan_sink3.hlo.txt", "train_step_scan_sink3.stablehlo.mlir"]
     assert "while" in (tmp_path / "train_step_scan_sink3.hlo.txt").read_text()
+
+
+def test_a_full_pass_of_a_plain_list_ends_the_epoch(batches):
+    with sinkax.data_sink(train_step, batches, len(batches)) as sink:
+        state, _ = sink(init_state())
+        assert (sink.epoch, sink.step) == (1, 0)
+        sink(state)
+        assert (sink.epoch, sink.step) == (2, 0)

@@ -10,8 +10,8 @@ so a sink restored from a checkpoint continues with exactly the next batch.
   otherwise a restore replays the epoch from its start up to the saved step.
 
 >>> src = as_source([{"x": i} for i in range(3)])
->>> [next(src)["x"] for _ in range(4)], src.position
-([0, 1, 2, 0], Position(epoch=1, step=1))
+>>> [next(src)["x"] for _ in range(3)], src.position
+([0, 1, 2], Position(epoch=1, step=0))
 """
 
 from __future__ import annotations
@@ -113,9 +113,12 @@ class IterableSource:
             raise _empty_error(dataset)
         self._dataset = dataset
         self._iterator: Iterator[Any] = iter(dataset)
+        self._pass_done = False
         self.position = Position(0, 0)
 
     def __next__(self) -> Any:
+        if self._pass_done:  # a sized pass ends after len() batches
+            self._restart_epoch(self.position.epoch)
         try:
             batch = next(self._iterator)
         except StopIteration:
@@ -127,10 +130,14 @@ class IterableSource:
             except StopIteration:
                 raise _empty_error(self._dataset) from None
         self.position = Position(self.position.epoch, self.position.step + 1)
+        if self.position.step == self.epoch_length:  # the next batch starts the next epoch
+            self.position = Position(self.position.epoch + 1, 0)
+            self._pass_done = True
         return batch
 
     def _restart_epoch(self, epoch: int) -> None:
         self.close()
+        self._pass_done = False
         self._iterator = iter(self._dataset)
         if self._iterator is self._dataset:
             raise ValueError(
@@ -143,12 +150,13 @@ class IterableSource:
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = dataclasses.asdict(self.position)
-        if hasattr(self._iterator, "get_state"):
+        if hasattr(self._iterator, "get_state") and not self._pass_done:
             state["iterator"] = self._iterator.get_state()
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.close()
+        self._pass_done = False
         self._iterator = iter(self._dataset)
         self.position = Position(state["epoch"], 0)
         if "iterator" in state and hasattr(self._iterator, "set_state"):
@@ -160,6 +168,12 @@ class IterableSource:
 
     def close(self) -> None:
         getattr(self._iterator, "close", lambda: None)()
+
+
+def snapshot(source: Source) -> dict[str, Any]:
+    """Where ``source`` stands: ``{"epoch", "step", "source": its state}``, JSON-friendly."""
+    position = source.position
+    return {"epoch": position.epoch, "step": position.step, "source": source.get_state()}
 
 
 def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> Source:

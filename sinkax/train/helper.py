@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from sinkax import context
-from sinkax.channel.source import as_source
+from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
 from sinkax.sink import Sink, SinkStats, data_sink
 
@@ -181,17 +181,8 @@ class _HostFeed:
             )
         if data_state is not None:
             self._source.set_state(data_state["source"])
-        self._committed = self._snapshot()
+        self._committed = snapshot(self._source)
         self._pending: Any = _NO_STATE
-
-    def _snapshot(self) -> dict[str, Any]:
-        position = self._source.position
-        epoch, step = position.epoch + position.step // self.epoch_length, position.step
-        return {
-            "epoch": epoch,
-            "step": step % self.epoch_length,
-            "source": self._source.get_state(),
-        }
 
     @property
     def step(self) -> int:
@@ -203,7 +194,7 @@ class _HostFeed:
     def pull(self) -> Any:
         """The next batch; from here on it counts as consumed (and is what the network runs)."""
         self._pending = next(self._source)
-        self._committed = self._snapshot()
+        self._committed = snapshot(self._source)
         return self._pending
 
     def take(self) -> Any:
