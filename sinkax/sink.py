@@ -178,6 +178,7 @@ class Sink:
         self._stateful: bool | None = None
         self._in_flight: tuple[Any, Any] | None = None
         self._chunk: Chunk | None = None  # being consumed, piece by piece
+        self._returned: Any = None  # the state the last call returned
         self._piece = self._offset = 0
         self._resync = False
         self._closed = False
@@ -322,11 +323,12 @@ class Sink:
         self._calls += 1
         self._busy_s += time.perf_counter() - t_call - (self._data_wait_s - wait_before)
         outs = parts[0] if len(parts) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+        self._returned = carry
         return (carry, outs) if stateful else outs
 
     def _on_device(self, state: Any) -> Any:
-        """``state`` on the sink's device; cheap for the sink's own outputs passed back."""
-        if self._calls and all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):
+        """``state`` on the sink's device; free for the state the last call returned."""
+        if state is self._returned:
             return state
         return jax.device_put(state, self.device)
 

@@ -11,7 +11,8 @@
 * ``"auto"``  -- times ``"scan"`` and ``"loop"`` on whole sinks (compile time excluded) and
   keeps the faster per step. The first sink runs untimed (the producer is still filling the
   ring then, which would bias whichever ran first); then the candidates run in the order
-  A, B, B, A, stopping after A, B when one is clearly faster (by :data:`CLEAR_MARGIN`).
+  A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping after A, B when one
+  is clearly faster (by :data:`CLEAR_MARGIN`).
   ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
@@ -38,6 +39,7 @@ from sinkax.executable import Compiler, StepFn, layout, scan_program, step_progr
 
 NAMES = ("auto", "scan", "loop")
 CLEAR_MARGIN = 1.5
+MIN_TRIAL_S = 0.05
 
 
 class Strategy(Protocol):
@@ -59,18 +61,26 @@ class Scan:
 
     def __init__(self, fn: StepFn, compiler: Compiler, unroll: int = 1):
         self._fn, self._unroll, self._compiler = fn, unroll, compiler
+        self._last: tuple[Any, ...] = (None, None, None, None)  # state out, chunk, steps, exe
 
     def _executable(self, state: Any, chunk: Any, offset: int, steps: int) -> Any:
-        def make():
+        def program():
             return scan_program(self._fn, steps, self._unroll)
 
-        return self._compiler.get("scan", steps, make, state, chunk, offset)
+        return self._compiler.get("scan", steps, program, state, chunk, offset)
 
     def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
         self._executable(state, chunk, offset, steps)
 
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        return self._executable(state, chunk, offset, steps)(state, chunk, offset)
+        last_state, last_chunk, last_steps, executable = self._last
+        if not (state is last_state and chunk is last_chunk and steps == last_steps):
+            executable = self._executable(state, chunk, offset, steps)
+        # the usual call passes back the state the last one returned, on the same chunk: its
+        # layout is known, so the lookup above (a walk over every leaf) is skipped
+        state, outs = executable(state, chunk, offset)
+        self._last = (state, chunk, steps, executable)
+        return state, outs
 
 
 class Loop:
@@ -129,11 +139,16 @@ class Eager:
 
 
 class Auto:
-    """Measures each candidate on whole sinks, then keeps the fastest per step."""
+    """Measures each candidate on whole sinks, then keeps the fastest per step.
+
+    Each trial runs whole calls until it has :data:`MIN_TRIAL_S` of measured work, so that tiny
+    sinks are not judged on one noisy call.
+    """
 
     def __init__(self, candidates: list[Strategy]):
         self._schedule = [candidates[0], *candidates, *reversed(candidates)]  # warm-up, A B B A
-        self._runs = 0
+        self._trial = 0
+        self._trial_s = self._trial_steps = 0.0
         self.chosen: Strategy | None = None
         self.last: Strategy = candidates[0]
         self.timings: dict[str, float] = {c.name: math.inf for c in candidates}
@@ -149,19 +164,23 @@ class Auto:
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         if self.chosen:
             return self.chosen.run(state, chunk, offset, steps)
-        candidate = self.last = self._schedule[self._runs]
+        candidate = self.last = self._schedule[self._trial]
         candidate.prepare(state, chunk, offset, steps)
         t0 = time.perf_counter()
         state, outs = jax.block_until_ready(candidate.run(state, chunk, offset, steps))
-        if self._runs > 0:  # the warm-up sink is not timed
-            per_step = (time.perf_counter() - t0) / steps
-            self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
-        self._runs += 1
-        times = sorted(self.timings.values())
-        clear = math.isfinite(times[-1]) and times[1] > CLEAR_MARGIN * times[0]
-        if clear or self._runs == len(self._schedule):
-            best = min(self.timings, key=self.timings.__getitem__)
-            self.chosen = next(c for c in self._schedule if c.name == best)
+        self._trial_s += time.perf_counter() - t0
+        self._trial_steps += steps
+        if self._trial == 0 or self._trial_s >= MIN_TRIAL_S:  # the warm-up trial is one call
+            if self._trial > 0:
+                per_step = self._trial_s / self._trial_steps
+                self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
+            self._trial += 1
+            self._trial_s = self._trial_steps = 0.0
+            times = sorted(self.timings.values())
+            clear = math.isfinite(times[-1]) and times[1] > CLEAR_MARGIN * times[0]
+            if clear or self._trial == len(self._schedule):
+                best = min(self.timings, key=self.timings.__getitem__)
+                self.chosen = next(c for c in self._schedule if c.name == best)
         return state, outs
 
 

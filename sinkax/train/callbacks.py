@@ -180,12 +180,11 @@ class History(Callback):
 
 
 class TerminateOnNaN(Callback):
-    """Stops training at the end of the first sink that had a non-finite loss or gradient.
+    """Stops training at the end of the first sink that had a non-finite loss.
 
     The check runs on the device over the whole sink (the train step's ``finite`` flags); the
-    host reads one bool per sink. The train step never applies a non-finite update, so the
-    model keeps finite params: those after the last step whose loss and gradients were finite
-    (later finite steps of the same sink included).
+    host reads one bool per sink. The rest of that sink has run; to keep the params finite
+    through it (non-finite updates skipped), give the model ``optax.apply_if_finite(opt, n)``.
 
     >>> TerminateOnNaN().stopped_at is None
     True
@@ -198,7 +197,7 @@ class TerminateOnNaN(Callback):
         if not bool(jnp.all(run.outputs["finite"])):
             self.stopped_at = (run.epoch, run.step_in_epoch)
             print(
-                f"epoch: {run.epoch} step: {run.step_in_epoch}, non-finite loss or gradients in "
+                f"epoch: {run.epoch} step: {run.step_in_epoch}, non-finite loss in "
                 "this sink: terminating training.",
                 flush=True,
             )

@@ -1,0 +1,110 @@
+"""What the benchmark scripts share: workloads, timing, machine facts, tables and plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A train step, its initial state and a list of host batches (one epoch)."""
+
+    name: str
+    step: Callable[[Any, Any], tuple[Any, Any]]  # (state, batch) -> (state, metrics)
+    init: Callable[[], Any]
+    batches: list[dict[str, np.ndarray]]
+
+
+def workload(name: str, num_batches: int, batch_size: int = 32, seed: int = 0) -> Workload:
+    """``"lenet"`` (the reference LeNet5) or ``"mlp"`` (1024-128-10), SGD-momentum, built with
+    :func:`sinkax.train.make_train_step` (what ``Model.train`` runs)."""
+    from sinkax import nets
+    from sinkax.train import TrainState, cross_entropy, make_train_step
+
+    rng = np.random.default_rng(seed)
+    shape, init_fn, apply_fn = {
+        "lenet": ((32, 32, 1), nets.lenet5_init, nets.lenet5_apply),
+        "mlp": ((1024,), nets.mlp_init, nets.mlp_apply),
+    }[name]
+    batches = [
+        {
+            "image": rng.normal(size=(batch_size, *shape)).astype(np.float32),
+            "label": rng.integers(0, 10, batch_size).astype(np.int32),
+        }
+        for _ in range(num_batches)
+    ]
+    optimizer = optax.sgd(0.01, momentum=0.9)
+    step = make_train_step(apply_fn, cross_entropy, optimizer)
+    return Workload(
+        name, step, lambda: TrainState.create(init_fn(jax.random.key(seed)), optimizer), batches
+    )
+
+
+def fresh(state: Any) -> Any:
+    """A copy of ``state`` that a donating call may consume."""
+    return jax.tree.map(jnp.copy, state)
+
+
+def median_rate(run: Callable[[], int], repeats: int) -> float:
+    """Median over ``repeats`` of (steps run) / (seconds), ``run`` returning its step count."""
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        steps = run()
+        rates.append(steps / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def machine() -> dict[str, str]:
+    """JAX version, backend, device and CPU model: where the figures were taken."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = f"{names[0]} x{len(names)}" if names else cpu
+    device = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(device, "device_kind", str(device)),
+        "cpu": cpu,
+    }
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain-text table of ``rows`` (dicts) in ``columns`` order."""
+    cells = [[_fmt(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def save(name: str, payload: dict[str, Any]) -> str:
+    """Write ``results/<name>.json``; returns its path."""
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine(), **payload}, f, indent=2)
+    return path

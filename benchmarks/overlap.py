@@ -1,0 +1,167 @@
+"""Does the data sink hide the input pipeline? Wall time against max(pipeline, compute).
+
+A pipeline whose every batch costs a set host time -- real CPU work (``work``) or waiting on
+I/O (``sleep``) -- feeds a step of a known compute cost. Measured in one run, for N steps:
+``pipeline`` (iterating the data alone), ``compute`` (a scan over the same batches already on
+the device) and ``sinkax`` (the two together through ``data_sink``). Perfect overlap gives
+sinkax = max(pipeline, compute); no overlap gives their sum. Target when the two are balanced:
+sinkax <= 1.1 x max.
+
+    python benchmarks/overlap.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import machine, save, table
+
+import sinkax
+
+FEATURES = 256
+
+
+class CostlyPipeline:
+    """``num_batches`` batches per epoch, each taking ``cost_ms`` of host time to make."""
+
+    def __init__(self, num_batches: int, cost_ms: float, kind: str):
+        self.num_batches, self.cost_s, self.kind = num_batches, cost_ms / 1e3, kind
+        self._scratch = np.random.default_rng(0).random(4096)
+
+    def _spend(self) -> None:
+        if self.kind == "sleep":
+            time.sleep(self.cost_s)
+            return
+        deadline = time.perf_counter() + self.cost_s
+        while time.perf_counter() < deadline:  # real CPU work, e.g. augmentation
+            np.sin(self._scratch, out=self._scratch)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self):
+        rng = np.random.default_rng(1)
+        for _ in range(self.num_batches):
+            self._spend()
+            yield {"x": rng.random((32, FEATURES), dtype=np.float32)}
+
+
+def make_step(matmuls: int):
+    """A step whose compute cost grows with ``matmuls`` (a chain of 256x256 products)."""
+
+    def step(w, batch):
+        h = jax.lax.fori_loop(0, matmuls, lambda _, h: jnp.tanh(h @ w), batch["x"])
+        return w - 1e-6 * (h.T @ batch["x"]), h.mean()
+
+    return step
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(cost_ms, kind, step, num_steps, sink_size):
+    pipeline = CostlyPipeline(num_steps, cost_ms, kind)
+    w0 = jnp.eye(FEATURES) * 0.5
+    pipeline_s = timed(lambda: list(pipeline))
+    stacked = jax.device_put({"x": np.stack([b["x"] for b in CostlyPipeline(num_steps, 0, kind)])})
+    scan = jax.jit(lambda w, c: jax.lax.scan(step, w, c))
+    jax.block_until_ready(scan(w0, stacked))
+    compute_s = timed(lambda: jax.block_until_ready(scan(w0, stacked)))
+    with sinkax.data_sink(step, pipeline, sink_size, strategy="scan") as sink:
+        w = sink(jnp.copy(w0))[0]  # compile; the producer fills the ring meanwhile
+        calls = num_steps // sink_size - 1
+
+        def run():
+            nonlocal w
+            for _ in range(calls):
+                w, out = sink(w)
+            jax.block_until_ready(out)
+
+        sinkax_s = timed(run) * num_steps / (calls * sink_size)
+    bound = max(pipeline_s, compute_s)
+    return {
+        "host work": kind,
+        "host ms/batch": cost_ms,
+        "pipeline s": pipeline_s,
+        "compute s": compute_s,
+        "sinkax s": sinkax_s,
+        "x max": sinkax_s / bound,
+        "x sum": sinkax_s / (pipeline_s + compute_s),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--sink-size", type=int, default=25)
+    parser.add_argument("--matmuls", type=int, default=24)
+    args = parser.parse_args(argv)
+    step = make_step(args.matmuls)
+    probe = measure(0.0, "sleep", step, args.steps, args.sink_size)
+    compute_ms = 1e3 * probe["compute s"] / args.steps
+    rows = [
+        measure(round(compute_ms * f, 2), kind, step, args.steps, args.sink_size)
+        for kind in ("sleep", "work")
+        for f in (0.5, 1.0, 2.0)
+    ]
+    print(
+        f"overlap of pipeline and compute ({machine()['device']}, jax {jax.__version__}); "
+        f"compute {compute_ms:.2f} ms/step, {args.steps} steps, sink_size {args.sink_size}"
+    )
+    print(table(rows, list(rows[0])))
+    balanced = [r for r in rows if abs(r["host ms/batch"] - round(compute_ms, 2)) < 1e-9]
+    failed = 0
+    for row in balanced:
+        ok = row["x max"] <= 1.1
+        failed += not ok
+        print(
+            f"{'PASS' if ok else 'MISS'}  balanced, {row['host work']}: wall = "
+            f"{row['x max']:.2f} x max(pipeline, compute) (target <= 1.1)"
+        )
+    path = save("overlap", {"compute_ms_per_step": compute_ms, "rows": rows})
+    plot(rows, path.replace(".json", ".png"))
+    print(f"wrote {path} and the .png beside it")
+    return failed
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [f"{r['host work']} {r['host ms/batch']}ms" for r in rows]
+    x = np.arange(len(rows))
+    ax.bar(
+        x - 0.2,
+        [r["pipeline s"] + r["compute s"] for r in rows],
+        0.4,
+        label="sum (no overlap)",
+        color="tab:gray",
+    )
+    ax.bar(x + 0.2, [r["sinkax s"] for r in rows], 0.4, label="sinkax", color="tab:blue")
+    ax.plot(
+        x,
+        [max(r["pipeline s"], r["compute s"]) for r in rows],
+        "k_",
+        ms=30,
+        label="max (perfect overlap)",
+    )
+    ax.set_xticks(x, labels, rotation=20, fontsize=8)
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
