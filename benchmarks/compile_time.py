@@ -30,7 +30,7 @@ def compile_seconds(w, sink_size: int, repeats: int) -> float:
     for _ in range(repeats):
         jax.clear_caches()
         t0 = time.perf_counter()
-        Compiler.lower(scan_program(w.step), state, chunk).compile()
+        Compiler.lower(scan_program(w.step, sink_size), state, chunk, 0).compile()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -32,7 +32,7 @@ SIZES = (1, 10, 100, 1000, -1)
 
 def plain(w, steps):
     step = jax.jit(w.step, donate_argnums=0)
-    state = step(fresh(w.init()), w.batches[0])[0]
+    state = jax.block_until_ready(step(fresh(w.init()), w.batches[0])[0])
 
     def run():
         nonlocal state
@@ -46,7 +46,7 @@ def plain(w, steps):
 
 def plain_prefetch(w, steps):
     step = jax.jit(w.step, donate_argnums=0)
-    state = step(fresh(w.init()), w.batches[0])[0]
+    state = jax.block_until_ready(step(fresh(w.init()), w.batches[0])[0])
 
     def run():
         nonlocal state
@@ -70,7 +70,7 @@ def plain_prefetch(w, steps):
 def device_step(w, steps):
     step = jax.jit(w.step, donate_argnums=0)
     batches = jax.device_put(w.batches)
-    state = step(fresh(w.init()), batches[0])[0]
+    state = jax.block_until_ready(step(fresh(w.init()), batches[0])[0])
 
     def run():
         nonlocal state
@@ -85,7 +85,7 @@ def device_step(w, steps):
 def device_scan(w, steps):
     stacked = jax.device_put(jax.tree.map(lambda *x: jax.numpy.stack(x), *w.batches))
     scan = jax.jit(lambda s, c: jax.lax.scan(w.step, s, c), donate_argnums=0)
-    state = scan(fresh(w.init()), stacked)[0]
+    state = jax.block_until_ready(scan(fresh(w.init()), stacked)[0])
     calls = max(1, steps // len(w.batches))
 
     def run():
@@ -105,6 +105,7 @@ def sinkax_run(w, steps, sink_size, strategy):
     state = fresh(w.init())
     while sink.stats.calls < 2 or sink.stats.strategy.startswith("auto"):  # compile, measure
         state, _ = sink(state)
+    jax.block_until_ready(state)
 
     def run():
         nonlocal state

