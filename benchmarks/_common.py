@@ -101,10 +101,19 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def save(name: str, payload: dict[str, Any]) -> str:
-    """Write ``results/<name>.json``; returns its path."""
+def save(name: str, payload: dict[str, Any], draw: Callable[[Any], Any] | None = None) -> None:
+    """Write ``results/<name>.json`` and, with ``draw(pyplot) -> figure``, ``<name>.png``."""
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
     with open(path, "w") as f:
         json.dump({"machine": machine(), **payload}, f, indent=2)
-    return path
+    if draw is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure = draw(plt)
+        figure.tight_layout()
+        figure.savefig(path.replace(".json", ".png"), dpi=80)
+    print(f"wrote {path}" + (" and the .png beside it" if draw else ""))

@@ -59,18 +59,11 @@ def main(argv=None):
             f"{'PASS' if ratio <= 1.5 else 'MISS'}  {name}: size 10,000 / size 10 = "
             f"{ratio:.2f}x (target <= 1.5x)"
         )
-    path = save("compile_time", {"seconds": results})
-    plot(results, path.replace(".json", ".png"))
-    print(f"wrote {path} and the .png beside it")
+    save("compile_time", {"seconds": results}, lambda plt: plot(results, plt))
     return failed
 
 
-def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results, plt):
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, seconds in results.items():
         ax.plot(list(seconds), list(seconds.values()), marker="o", label=name)
@@ -80,8 +73,7 @@ def plot(results, path):
     ax.set_ylabel("compile seconds")
     ax.legend()
     ax.set_title("sink compile time is flat in sink_size", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    return fig
 
 
 if __name__ == "__main__":

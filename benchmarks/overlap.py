@@ -127,18 +127,11 @@ def main(argv=None):
             f"{'PASS' if ok else 'MISS'}  balanced, {row['host work']}: wall = "
             f"{row['x max']:.2f} x max(pipeline, compute) (target <= 1.1)"
         )
-    path = save("overlap", {"compute_ms_per_step": compute_ms, "rows": rows})
-    plot(rows, path.replace(".json", ".png"))
-    print(f"wrote {path} and the .png beside it")
+    save("overlap", {"compute_ms_per_step": compute_ms, "rows": rows}, lambda plt: plot(rows, plt))
     return failed
 
 
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows, plt):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [f"{r['host work']} {r['host ms/batch']}ms" for r in rows]
     x = np.arange(len(rows))
@@ -160,8 +153,7 @@ def plot(rows, path):
     ax.set_xticks(x, labels, rotation=20, fontsize=8)
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    return fig
 
 
 if __name__ == "__main__":

@@ -178,12 +178,7 @@ def targets(results):
     return checks
 
 
-def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results, plt):
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (name, rows) in zip(axes[0], results.items(), strict=True):
         modes = [r["mode"] for r in rows]
@@ -202,8 +197,7 @@ def plot(results, path):
         ax.set_title(f"{name} (batch 32)")
     info = machine()
     fig.suptitle(f"sinkax sink sizes -- {info['device']}, jax {info['jax']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    return fig
 
 
 def main(argv=None):
@@ -231,11 +225,8 @@ def main(argv=None):
         failed += not ok
         print(f"  {'PASS' if ok else 'MISS'}  {description}: {ratio:.2f}x (target >= {threshold}x)")
     suffix = "" if jax.default_backend() == "cpu" else f"_{jax.default_backend()}"
-    path = save(
-        f"sink_sizes{suffix}", {"results": results, "targets": [list(t) for t in targets(results)]}
-    )
-    plot(results, path.replace(".json", ".png"))
-    print(f"\nwrote {path} and the .png beside it")
+    payload = {"results": results, "targets": [list(t) for t in targets(results)]}
+    save(f"sink_sizes{suffix}", payload, lambda plt: plot(results, plt))
     return failed
 
 
