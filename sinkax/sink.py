@@ -155,6 +155,8 @@ class Sink:
         data_state: dict[str, Any] | None = None,
     ):
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
+        if strategy not in strategies.NAMES:
+            raise ValueError(f"strategy must be one of {strategies.NAMES}, got {strategy!r}.")
         self.fn = fn
         self.sink_size = int(sink_size)
         self.jit = context.get_context("mode") == context.GRAPH_MODE if jit is None else jit
@@ -164,6 +166,7 @@ class Sink:
         self.device = device or context.default_device()
         self._source = as_source(dataset, read_options)
         if self.sink_size == -1 and self._source.epoch_length is None:
+            self._source.close()
             raise ValueError(
                 f"sink_size=-1 runs one epoch per call, which needs a dataset of known length; "
                 f"{type(dataset).__name__} has no len(). Pass sink_size > 0 (steps per call) or a "
@@ -171,8 +174,6 @@ class Sink:
             )
         name = getattr(fn, "__name__", type(fn).__name__).strip("<>")
         self._compiler = Compiler(fn, name, save_graphs or context.graphs_folder())
-        if strategy not in strategies.NAMES:
-            raise ValueError(f"strategy must be one of {strategies.NAMES}, got {strategy!r}.")
         self._strategy_name = strategy
         self._strategy: Any = None
         self._stateful: bool | None = None
