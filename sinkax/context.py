@@ -70,6 +70,11 @@ def get_context(key: str | None = None) -> Any:
     return dataclasses.replace(_context) if key is None else getattr(_context, key)
 
 
+def jit_enabled(jit: bool | None) -> bool:
+    """``jit`` if given, else whether the context is in ``GRAPH_MODE``."""
+    return _context.mode == GRAPH_MODE if jit is None else jit
+
+
 def default_device() -> jax.Device:
     """The device the context selects."""
     return resolve_device(_context.device_target, _context.device_id)

@@ -159,7 +159,7 @@ class Sink:
             raise ValueError(f"strategy must be one of {strategies.NAMES}, got {strategy!r}.")
         self.fn = fn
         self.sink_size = int(sink_size)
-        self.jit = context.get_context("mode") == context.GRAPH_MODE if jit is None else jit
+        self.jit = context.jit_enabled(jit)
         self.timeout = float(timeout)
         self.prefetch = int(prefetch)
         self.max_chunk_bytes = int(max_chunk_bytes)
@@ -302,13 +302,13 @@ class Sink:
             while True:
                 chunk = self._current_chunk()
                 piece = chunk.pieces[self._piece]
-                if stateful and self.jit and not (piece.ends_call and not parts and _atomic(run)):
+                if stateful and self.jit and not (piece.ends_call and not parts and run.atomic):
                     carry = jax.tree.map(jnp.copy, carry)  # keep the caller's state valid
                 carry, outs = run.run(carry, chunk.data, self._offset, piece.steps)
                 self._in_flight = (carry, outs)
                 self._piece += 1
                 self._offset += piece.steps
-                self._dispatches += _dispatches(run, piece.steps)
+                self._dispatches += run.dispatches(piece.steps)
                 self._steps += piece.steps
                 parts.append(outs)
                 if piece.ends_call:
@@ -396,18 +396,6 @@ class Sink:
 def _stateless(fn: Callable[[Any], Any]) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``fn(batch) -> out`` as a step over an empty state."""
     return lambda state, batch: (state, fn(batch))
-
-
-def _atomic(run: Any) -> bool:
-    """One dispatch per chunk and no blocking in between: an interrupt cannot split it."""
-    return isinstance(run, strategies.Scan) or (
-        isinstance(run, strategies.Auto) and isinstance(run.chosen, strategies.Scan)
-    )
-
-
-def _dispatches(run: Any, steps: int) -> int:
-    ran = run.last if isinstance(run, strategies.Auto) else run
-    return {"scan": 1, "loop": steps}.get(ran.name, 0)
 
 
 def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **options: Any) -> Sink:

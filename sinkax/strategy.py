@@ -48,6 +48,10 @@ class Strategy(Protocol):
     """Runs ``fn`` over a window of a chunk."""
 
     name: str
+    atomic: bool  # one dispatch and no blocking per window: an interrupt cannot split it
+
+    def dispatches(self, steps: int) -> int:
+        """Executables dispatched to run a window of ``steps``."""
 
     def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
         """Compile what :meth:`run` needs for this layout, running nothing."""
@@ -60,6 +64,10 @@ class Scan:
     """All steps of a window in one ``lax.scan`` executable."""
 
     name = "scan"
+    atomic = True
+
+    def dispatches(self, steps: int) -> int:
+        return 1
 
     def __init__(self, fn: StepFn, compiler: Compiler, unroll: int = 1):
         self._fn, self._unroll, self._compiler = fn, unroll, compiler
@@ -89,6 +97,10 @@ class Loop:
     """The compiled step dispatched once per batch of the device-resident chunk."""
 
     name = "loop"
+    atomic = False
+
+    def dispatches(self, steps: int) -> int:
+        return steps
 
     def __init__(self, fn: StepFn, compiler: Compiler):
         self._fn = fn
@@ -125,6 +137,10 @@ class Eager:
     """PyNative mode: ``fn`` runs un-jitted, op by op, one batch at a time."""
 
     name = "eager"
+    atomic = True  # nothing is donated
+
+    def dispatches(self, steps: int) -> int:
+        return 0
 
     def __init__(self, fn: StepFn):
         self._fn = fn
@@ -158,6 +174,14 @@ class Auto:
     @property
     def name(self) -> str:
         return self.chosen.name if self.chosen else "auto (measuring)"
+
+    @property
+    def atomic(self) -> bool:
+        """False while measuring: a trial blocks after its dispatch."""
+        return self.chosen.atomic if self.chosen else False
+
+    def dispatches(self, steps: int) -> int:
+        return (self.chosen or self.last).dispatches(steps)
 
     def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
         for candidate in self._schedule:

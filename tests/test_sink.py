@@ -282,7 +282,10 @@ def test_strategy_choice_is_recorded(batches):
         assert sink.stats.strategy == "auto (measuring)"
         while sink.stats.strategy.startswith("auto") and sink.stats.calls < 10_000:
             state, _ = sink(state)
+        before = sink.stats.dispatches
+        state, _ = sink(state)
         stats = sink.stats
+    assert stats.dispatches - before == {"scan": 1, "loop": 5}[stats.strategy]
     assert stats.strategy in ("scan", "loop")
     assert set(stats.strategy_timings) == {"scan", "loop"}
     assert stats.compiles == 2 and stats.steps == 5 * stats.calls

@@ -36,9 +36,7 @@ import jax.numpy as jnp
 from sinkax import context
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
-from sinkax.sink import Sink, SinkStats, data_sink
-
-_NO_STATE: Any = object()
+from sinkax.sink import _NO_STATE, Sink, SinkStats, data_sink
 
 
 class DatasetHelper:
@@ -142,9 +140,8 @@ class DatasetHelper:
                 "them all; create it with a larger epoch_num (or a new one with "
                 "data_state=helper.data_state() to continue)."
             )
-        if self._sink is not None:  # a plain iterable's position reads (epoch, length) at its end
-            length = self._sink.epoch_length
-            yield self.sink_size if self.sink_size > 0 else length - channel.step % length
+        if self._sink is not None:
+            yield self.sink_size if self.sink_size > 0 else self._sink.epoch_length - channel.step
         else:
             for _ in range(len(self)):
                 yield self._host.pull()  # type: ignore[union-attr]
@@ -244,8 +241,7 @@ class _HostNet:
     """Non-sink mode: one (jitted) step on the batch the helper yielded, outputs stacked."""
 
     def __init__(self, fn: Callable[..., Any], feed: _HostFeed, options: dict[str, Any]):
-        jit = options.get("jit")
-        jit = context.get_context("mode") == context.GRAPH_MODE if jit is None else jit
+        jit = context.jit_enabled(options.get("jit"))
         self._feed = feed
         self._device = options.get("device") or context.default_device()
         self._stateful = jax.jit(fn, donate_argnums=0) if jit else fn
