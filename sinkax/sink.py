@@ -98,23 +98,25 @@ def plan_chunks(
     [[(2, False)], [(2, False)], [(1, True)]]
     """
     chunk: list[tuple[int, bool]] = []
+    filled = 0  # steps in `chunk`
     for steps in calls:
         if steps > max_steps:
             if chunk:
                 yield chunk
-                chunk = []
+                chunk, filled = [], 0
             full, rest = divmod(steps, max_steps)
             parts = [max_steps] * full + ([rest] if rest else [])
             for j, part in enumerate(parts):
                 yield [(part, j == len(parts) - 1)]
             continue
-        if sum(s for s, _ in chunk) + steps > max_steps:
+        if filled + steps > max_steps:
             yield chunk
-            chunk = []
+            chunk, filled = [], 0
         chunk.append((steps, True))
-        if sum(s for s, _ in chunk) >= min_steps:
+        filled += steps
+        if filled >= min_steps:
             yield chunk
-            chunk = []
+            chunk, filled = [], 0
 
 
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:

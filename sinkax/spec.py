@@ -70,10 +70,11 @@ class BatchSpec:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def check(spec: BatchSpec, batch: Any, where: str) -> list[np.ndarray]:
+def check(spec: BatchSpec, batch: Any, where: object) -> list[np.ndarray]:
     """The leaves of ``batch`` as numpy arrays; raises :class:`BatchSpecError` on any drift.
 
-    ``where`` says which batch this is (e.g. ``"epoch 0, step 57"``) for the message.
+    ``where`` says which batch this is (its ``str``, e.g. ``"epoch 0, step 57"``, is only
+    built for the message).
     """
     flat, treedef = jax.tree_util.tree_flatten(batch)
     if treedef != spec.treedef:

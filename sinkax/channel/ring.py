@@ -198,7 +198,7 @@ class DeviceRing:
                 for _ in range(piece_steps):
                     where = self._source.position
                     batch = pending[filled] if filled < len(pending) else next(self._source)
-                    leaves = check(spec, batch, f"epoch {where.epoch}, step {where.step}")
+                    leaves = check(spec, batch, where)
                     for buffer, leaf in zip(staging, leaves, strict=True):
                         buffer[filled] = leaf
                     filled += 1

@@ -31,6 +31,9 @@ class Position:
     epoch: int
     step: int
 
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}, step {self.step}"
+
 
 class Source(Protocol):
     """What the data channel needs of a dataset."""
@@ -149,7 +152,7 @@ class IterableSource:
         self.position = Position(epoch, 0)
 
     def get_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = dataclasses.asdict(self.position)
+        state: dict[str, Any] = {"epoch": self.position.epoch, "step": self.position.step}
         if hasattr(self._iterator, "get_state") and not self._pass_done:
             state["iterator"] = self._iterator.get_state()
         return state
