@@ -5,7 +5,9 @@ I/O (``sleep``) -- feeds a step of a known compute cost. Measured in one run, fo
 ``pipeline`` (iterating the data alone), ``compute`` (a scan over the same batches already on
 the device) and ``sinkax`` (the two together through ``data_sink``). Perfect overlap gives
 sinkax = max(pipeline, compute); no overlap gives their sum. Target when the two are balanced:
-sinkax <= 1.1 x max.
+sinkax <= 1.1 x max. Every row is measured twice: with the threads as they come, and with
+``sinkax.set_cpu_affinity(True)`` (on Linux), which keeps XLA's compute threads and the
+producer on different cores. Ratios are medians over repeats.
 
     python benchmarks/overlap.py
 """
@@ -13,6 +15,8 @@ sinkax <= 1.1 x max.
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 
@@ -68,91 +72,111 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(cost_ms, kind, step, num_steps, sink_size):
-    pipeline = CostlyPipeline(num_steps, cost_ms, kind)
+def measure(cost_ms, kind, step, num_steps, sink_size, repeats):
+    """Medians over ``repeats`` of the three times and of the ratio to max(pipeline, compute)."""
     w0 = jnp.eye(FEATURES) * 0.5
-    pipeline_s = timed(lambda: list(pipeline))
     stacked = jax.device_put({"x": np.stack([b["x"] for b in CostlyPipeline(num_steps, 0, kind)])})
     scan = jax.jit(lambda w, c: jax.lax.scan(step, w, c))
     jax.block_until_ready(scan(w0, stacked))
-    compute_s = timed(lambda: jax.block_until_ready(scan(w0, stacked)))
-    with sinkax.data_sink(step, pipeline, sink_size, strategy="scan") as sink:
-        w = jax.block_until_ready(sink(jnp.copy(w0))[0])  # compile; the ring fills meanwhile
-        calls = num_steps // sink_size - 1
+    calls = num_steps // sink_size - 1  # after a first call that starts the pipeline
 
-        def run():
-            nonlocal w
-            for _ in range(calls):
-                w, out = sink(w)
-            jax.block_until_ready(out)
+    def run(sink, w):
+        for _ in range(calls):
+            w, out = sink(w)
+        jax.block_until_ready(out)
 
-        sinkax_s = timed(run) * num_steps / (calls * sink_size)
-    bound = max(pipeline_s, compute_s)
+    runs = []
+    for _ in range(repeats):
+        pipeline = CostlyPipeline(num_steps, cost_ms, kind)
+        pipeline_s = timed(lambda pipeline=pipeline: list(pipeline))
+        compute_s = timed(lambda: jax.block_until_ready(scan(w0, stacked)))
+        with sinkax.data_sink(step, pipeline, sink_size, strategy="scan") as sink:
+            w = jax.block_until_ready(sink(jnp.copy(w0))[0])  # compiled: the ring is not ahead
+            sinkax_s = timed(lambda sink=sink, w=w: run(sink, w)) * num_steps / (calls * sink_size)
+        runs.append((pipeline_s, compute_s, sinkax_s))
+    pipeline_s, compute_s, sinkax_s = (statistics.median(x) for x in zip(*runs, strict=True))
     return {
         "host work": kind,
         "host ms/batch": cost_ms,
         "pipeline s": pipeline_s,
         "compute s": compute_s,
         "sinkax s": sinkax_s,
-        "x max": sinkax_s / bound,
-        "x sum": sinkax_s / (pipeline_s + compute_s),
+        "x max": statistics.median(s / max(p, c) for p, c, s in runs),
+        "x sum": statistics.median(s / (p + c) for p, c, s in runs),
     }
+
+
+def sweep(step, compute_ms, args):
+    return [
+        measure(round(compute_ms * f, 2), kind, step, args.steps, args.sink_size, args.repeats)
+        for kind in ("sleep", "work")
+        for f in (0.5, 1.0, 2.0)
+    ]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--sink-size", type=int, default=25)
     parser.add_argument("--matmuls", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     step = make_step(args.matmuls)
-    probe = measure(0.0, "sleep", step, args.steps, args.sink_size)
+    probe = measure(0.0, "sleep", step, args.steps, args.sink_size, 1)
     compute_ms = 1e3 * probe["compute s"] / args.steps
-    rows = [
-        measure(round(compute_ms * f, 2), kind, step, args.steps, args.sink_size)
-        for kind in ("sleep", "work")
-        for f in (0.5, 1.0, 2.0)
-    ]
+    results = {"threads as they come": sweep(step, compute_ms, args)}
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
+        plan = sinkax.set_cpu_affinity(True)
+        try:
+            results[f"set_cpu_affinity {plan}"] = sweep(step, compute_ms, args)
+        finally:
+            sinkax.set_cpu_affinity(False)
     print(
         f"overlap of pipeline and compute ({machine()['device']}, jax {jax.__version__}); "
-        f"compute {compute_ms:.2f} ms/step, {args.steps} steps, sink_size {args.sink_size}"
+        f"compute {compute_ms:.2f} ms/step, {args.steps} steps, sink_size {args.sink_size}, "
+        f"medians of {args.repeats}"
     )
-    print(table(rows, list(rows[0])))
-    balanced = [r for r in rows if abs(r["host ms/batch"] - round(compute_ms, 2)) < 1e-9]
     failed = 0
-    for row in balanced:
-        ok = row["x max"] <= 1.1
-        failed += not ok
-        print(
-            f"{'PASS' if ok else 'MISS'}  balanced, {row['host work']}: wall = "
-            f"{row['x max']:.2f} x max(pipeline, compute) (target <= 1.1)"
-        )
-    save("overlap", {"compute_ms_per_step": compute_ms, "rows": rows}, lambda plt: plot(rows, plt))
+    for setting, rows in results.items():
+        print(f"\n{setting}")
+        print(table(rows, list(rows[0])))
+        for row in rows:
+            if abs(row["host ms/batch"] - round(compute_ms, 2)) < 1e-9:  # balanced
+                ok = row["x max"] <= 1.1
+                failed += not ok
+                print(
+                    f"{'PASS' if ok else 'MISS'}  balanced, {row['host work']}: wall = "
+                    f"{row['x max']:.2f} x max(pipeline, compute) (target <= 1.1)"
+                )
+    payload = {"compute_ms_per_step": compute_ms, "results": results}
+    save("overlap", payload, lambda plt: plot(results, plt))
     return failed
 
 
-def plot(rows, plt):
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [f"{r['host work']} {r['host ms/batch']}ms" for r in rows]
-    x = np.arange(len(rows))
-    ax.bar(
-        x - 0.2,
-        [r["pipeline s"] + r["compute s"] for r in rows],
-        0.4,
-        label="sum (no overlap)",
-        color="tab:gray",
-    )
-    ax.bar(x + 0.2, [r["sinkax s"] for r in rows], 0.4, label="sinkax", color="tab:blue")
-    ax.plot(
-        x,
-        [max(r["pipeline s"], r["compute s"]) for r in rows],
-        "k_",
-        ms=30,
-        label="max (perfect overlap)",
-    )
-    ax.set_xticks(x, labels, rotation=20, fontsize=8)
-    ax.set_ylabel("seconds")
-    ax.legend(fontsize=8)
+def plot(results, plt):
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 3.5), squeeze=False)
+    for ax, (setting, rows) in zip(axes[0], results.items(), strict=True):
+        labels = [f"{r['host work']} {r['host ms/batch']}ms" for r in rows]
+        x = np.arange(len(rows))
+        ax.bar(
+            x - 0.2,
+            [r["pipeline s"] + r["compute s"] for r in rows],
+            0.4,
+            label="sum (no overlap)",
+            color="tab:gray",
+        )
+        ax.bar(x + 0.2, [r["sinkax s"] for r in rows], 0.4, label="sinkax", color="tab:blue")
+        ax.plot(
+            x,
+            [max(r["pipeline s"], r["compute s"]) for r in rows],
+            "k_",
+            ms=30,
+            label="max (perfect overlap)",
+        )
+        ax.set_xticks(x, labels, rotation=20, fontsize=8)
+        ax.set_ylabel("seconds")
+        ax.set_title(setting.split(" {")[0], fontsize=9)
+        ax.legend(fontsize=8)
     return fig
 
 

@@ -8,6 +8,7 @@
 (8.0, (4,))
 """
 
+from sinkax.affinity import set_cpu_affinity
 from sinkax.backend import resolve_device
 from sinkax.channel.source import Position
 from sinkax.context import GRAPH_MODE, PYNATIVE_MODE, get_context, set_context
@@ -62,4 +63,5 @@ __all__ = [
     "make_train_step",
     "resolve_device",
     "set_context",
+    "set_cpu_affinity",
 ]

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sinkax import affinity
 from sinkax.channel.source import Position, Source
 from sinkax.errors import SinkTimeoutError
 from sinkax.spec import BatchSpec, check
@@ -129,6 +130,10 @@ class DeviceRing:
 
     # -- producer side -------------------------------------------------------------------
     def _produce(self) -> None:
+        with affinity.data_thread():  # on the data CPUs, if sinkax.set_cpu_affinity asked
+            self._run_producer()
+
+    def _run_producer(self) -> None:
         try:
             start = self._source.position
             first = next(self._source)
