@@ -15,9 +15,11 @@ producer on different cores. Ratios are medians over repeats.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
+import threading
 import time
 
 import jax
@@ -26,6 +28,7 @@ import numpy as np
 from _common import machine, save, table
 
 import sinkax
+from sinkax import affinity
 
 FEATURES = 256
 
@@ -72,12 +75,24 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(cost_ms, kind, step, num_steps, sink_size, repeats):
-    """Medians over ``repeats`` of the three times and of the ratio to max(pipeline, compute)."""
-    w0 = jnp.eye(FEATURES) * 0.5
-    stacked = jax.device_put({"x": np.stack([b["x"] for b in CostlyPipeline(num_steps, 0, kind)])})
+def compute_alone(step, num_steps):
+    """Runs ``num_steps`` of ``step`` as one scan over batches already on the device."""
+    stacked = jax.device_put({"x": np.stack([b["x"] for b in CostlyPipeline(num_steps, 0, "")])})
     scan = jax.jit(lambda w, c: jax.lax.scan(step, w, c))
-    jax.block_until_ready(scan(w0, stacked))
+
+    def run():
+        jax.block_until_ready(scan(initial(), stacked))
+
+    run()
+    return run
+
+
+def initial():
+    return jnp.eye(FEATURES) * 0.5
+
+
+def measure(cost_ms, kind, step, compute, num_steps, sink_size, repeats):
+    """Medians over ``repeats`` of the three times and of the ratio to max(pipeline, compute)."""
     calls = num_steps // sink_size - 1  # after a first call that starts the pipeline
 
     def run(sink, w):
@@ -89,9 +104,9 @@ def measure(cost_ms, kind, step, num_steps, sink_size, repeats):
     for _ in range(repeats):
         pipeline = CostlyPipeline(num_steps, cost_ms, kind)
         pipeline_s = timed(lambda pipeline=pipeline: list(pipeline))
-        compute_s = timed(lambda: jax.block_until_ready(scan(w0, stacked)))
+        compute_s = timed(compute)
         with sinkax.data_sink(step, pipeline, sink_size, strategy="scan") as sink:
-            w = jax.block_until_ready(sink(jnp.copy(w0))[0])  # compiled: the ring is not ahead
+            w = jax.block_until_ready(sink(initial())[0])  # compiled: the ring is not ahead
             sinkax_s = timed(lambda sink=sink, w=w: run(sink, w)) * num_steps / (calls * sink_size)
         runs.append((pipeline_s, compute_s, sinkax_s))
     pipeline_s, compute_s, sinkax_s = (statistics.median(x) for x in zip(*runs, strict=True))
@@ -106,9 +121,36 @@ def measure(cost_ms, kind, step, num_steps, sink_size, repeats):
     }
 
 
-def sweep(step, compute_ms, args):
+def wakeups(compute, bind):
+    """ms per ``time.sleep(0.7 ms)`` of a thread, alone and while the compute runs."""
+
+    def probe(stop, count):
+        with contextlib.ExitStack() as stack:
+            if bind:
+                stack.enter_context(affinity.data_thread())
+            while not stop.is_set():
+                time.sleep(0.0007)
+                count[0] += 1
+
+    def timed_probe(main):
+        stop, count = threading.Event(), [0]
+        thread = threading.Thread(target=probe, args=(stop, count))
+        thread.start()
+        seconds = timed(main)
+        stop.set()
+        thread.join()
+        return 1e3 * seconds / count[0]
+
+    alone = timed_probe(lambda: time.sleep(1.0))
+    beside = timed_probe(lambda: [compute() for _ in range(2)])
+    return alone, beside
+
+
+def sweep(step, compute, compute_ms, args):
     return [
-        measure(round(compute_ms * f, 2), kind, step, args.steps, args.sink_size, args.repeats)
+        measure(
+            round(compute_ms * f, 2), kind, step, compute, args.steps, args.sink_size, args.repeats
+        )
         for kind in ("sleep", "work")
         for f in (0.5, 1.0, 2.0)
     ]
@@ -122,13 +164,20 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     step = make_step(args.matmuls)
-    probe = measure(0.0, "sleep", step, args.steps, args.sink_size, 1)
-    compute_ms = 1e3 * probe["compute s"] / args.steps
-    results = {"threads as they come": sweep(step, compute_ms, args)}
+    compute = compute_alone(step, args.steps)
+    compute_ms = 1e3 * statistics.median(timed(compute) for _ in range(3)) / args.steps
+    settings = {"threads as they come": False}
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
-        plan = sinkax.set_cpu_affinity(True)
+        settings[f"set_cpu_affinity {affinity.default_plan(sorted(os.sched_getaffinity(0)))}"] = (
+            True
+        )
+    results, sleeps = {}, {}
+    for setting, bind in settings.items():
+        if bind:
+            sinkax.set_cpu_affinity(True)
         try:
-            results[f"set_cpu_affinity {plan}"] = sweep(step, compute_ms, args)
+            sleeps[setting] = wakeups(compute, bind)
+            results[setting] = sweep(step, compute, compute_ms, args)
         finally:
             sinkax.set_cpu_affinity(False)
     print(
@@ -138,7 +187,11 @@ def main(argv=None):
     )
     failed = 0
     for setting, rows in results.items():
-        print(f"\n{setting}")
+        alone, beside = sleeps[setting]
+        print(
+            f"\n{setting}: a 0.7 ms sleep takes {alone:.2f} ms alone, "
+            f"{beside:.2f} ms beside the compute"
+        )
         print(table(rows, list(rows[0])))
         for row in rows:
             if abs(row["host ms/batch"] - round(compute_ms, 2)) < 1e-9:  # balanced
@@ -148,8 +201,8 @@ def main(argv=None):
                     f"{'PASS' if ok else 'MISS'}  balanced, {row['host work']}: wall = "
                     f"{row['x max']:.2f} x max(pipeline, compute) (target <= 1.1)"
                 )
-    payload = {"compute_ms_per_step": compute_ms, "results": results}
-    save("overlap", payload, lambda plt: plot(results, plt))
+    payload = {"compute_ms_per_step": compute_ms, "sleep_0.7ms_alone_beside": sleeps}
+    save("overlap", {**payload, "results": results}, lambda plt: plot(results, plt))
     return failed
 
 

@@ -12,6 +12,7 @@ Every figure is a median over repeats, and every ratio compares figures of this 
 
     python benchmarks/sink_sizes.py            # CPU, < 5 minutes on 2 cores
     python benchmarks/sink_sizes.py --device gpu
+    python benchmarks/sink_sizes.py --affinity     # with sinkax.set_cpu_affinity(True)
 """
 
 from __future__ import annotations
@@ -206,9 +207,14 @@ def main(argv=None):
     parser.add_argument("--workloads", nargs="+", default=["mlp", "lenet"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--strategy", default="auto")
+    parser.add_argument(
+        "--affinity", action="store_true", help="sinkax.set_cpu_affinity(True) for the whole run"
+    )
     args = parser.parse_args(argv)
     if args.device:
         jax.config.update("jax_platforms", args.device)
+    if args.affinity:
+        print("set_cpu_affinity:", sinkax.set_cpu_affinity(True))
     steps = {"mlp": (2000, 250), "lenet": (500, 250)}  # (steps per repeat, batches per epoch)
     if jax.default_backend() != "cpu":
         steps = {"mlp": (10000, 1000), "lenet": (10000, 1000)}
@@ -225,6 +231,7 @@ def main(argv=None):
         failed += not ok
         print(f"  {'PASS' if ok else 'MISS'}  {description}: {ratio:.2f}x (target >= {threshold}x)")
     suffix = "" if jax.default_backend() == "cpu" else f"_{jax.default_backend()}"
+    suffix += "_affinity" if args.affinity else ""
     payload = {"results": results, "targets": [list(t) for t in targets(results)]}
     save(f"sink_sizes{suffix}", payload, lambda plt: plot(results, plt))
     return failed

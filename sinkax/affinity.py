@@ -3,9 +3,10 @@
 On a GPU or NPU the device computes while the host prepares data. When XLA:CPU *is* the device,
 its compute threads and the sink's producer share the host's cores, and they preempt each
 other: XLA's worker threads spin on every core between tasks, so a producer thread waking up
-from I/O waits for a core (measured on 2 cores: a 0.7 ms sleep took 0.81 ms alone, 0.99 ms while
-a sink computed; 0.85 ms with the threads bound apart). MindSpore's answer is thread-level core
-binding (``mindspore.runtime.set_cpu_affinity``); this is the same for sinkax, on Linux:
+from I/O waits for a core (``benchmarks/overlap.py`` on 2 cores: a 0.7 ms sleep took 0.81 ms
+alone, 0.97 ms while a sink computed, 0.80 ms with the threads bound apart). MindSpore's answer
+is thread-level core binding (``mindspore.runtime.set_cpu_affinity``); this is the same for
+sinkax, on Linux:
 
 * ``"main"``     -- the thread that calls ``set_cpu_affinity`` (the one that drives training);
 * ``"runtime"``  -- every other thread already in the process (XLA's compute pools, JAX's
