@@ -9,11 +9,11 @@
   body; for those this beats ``"scan"``.
 * ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
 * ``"auto"``  -- times ``"scan"`` and ``"loop"`` on whole sinks (compile time excluded) and
-  keeps the faster per step. The first sink runs untimed (the producer is still filling the
-  ring then, which would bias whichever ran first); then the candidates run in the order
-  A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping after A, B when one
-  is clearly faster (by :data:`CLEAR_MARGIN`). ``"scan"`` -- the loop sink proper -- is kept
-  unless ``"loop"`` is faster by :data:`PREFER_MARGIN`.
+  keeps the faster per step. The first :data:`MIN_TRIAL_S` of calls run untimed (the producer
+  is still filling the ring then, which would bias whichever ran first); then the candidates
+  run in the order A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping
+  after A, B when one is clearly faster (by :data:`CLEAR_MARGIN`). ``"scan"`` -- the loop sink
+  proper -- is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`.
   ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
@@ -40,7 +40,7 @@ from sinkax.executable import Compiler, StepFn, layout, scan_program, step_progr
 
 NAMES = ("auto", "scan", "loop")
 CLEAR_MARGIN = 1.5
-MIN_TRIAL_S = 0.05
+MIN_TRIAL_S = 0.2
 PREFER_MARGIN = 1.1
 
 
@@ -196,8 +196,8 @@ class Auto:
         state, outs = jax.block_until_ready(candidate.run(state, chunk, offset, steps))
         self._trial_s += time.perf_counter() - t0
         self._trial_steps += steps
-        if self._trial == 0 or self._trial_s >= MIN_TRIAL_S:  # the warm-up trial is one call
-            if self._trial > 0:
+        if self._trial_s >= MIN_TRIAL_S:
+            if self._trial > 0:  # the warm-up trial is not recorded
                 per_step = self._trial_s / self._trial_steps
                 self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
             self._trial += 1
