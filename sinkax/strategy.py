@@ -13,7 +13,8 @@
   is still filling the ring then, which would bias whichever ran first); then the candidates
   run in the order A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping
   after A, B when one is clearly faster (by :data:`CLEAR_MARGIN`). ``"scan"`` -- the loop sink
-  proper -- is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`.
+  proper -- is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`. A one-step window
+  takes ``"scan"`` unmeasured: XLA inlines a loop of one trip, so it is the standalone step.
   ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
@@ -188,6 +189,8 @@ class Auto:
             candidate.prepare(state, chunk, offset, steps)
 
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        if not self.chosen and steps == 1:  # XLA inlines a one-trip loop: the scan is the step
+            self.chosen = self._schedule[0]
         if self.chosen:
             return self.chosen.run(state, chunk, offset, steps)
         candidate = self.last = self._schedule[self._trial]

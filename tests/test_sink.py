@@ -274,7 +274,8 @@ def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
     assert run_sink(batches, 4, 2, step=step, strategy="scan")[2].compiles == 1
 
 
-def test_strategy_choice_is_recorded(batches):
+def test_strategy_choice_is_recorded(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 0.01)  # tiny steps: short trials
     with sinkax.data_sink(functools.partial(train_step), batches, 5) as sink:
         state = init_state()
         assert sink.stats.strategy == "auto"
@@ -292,6 +293,15 @@ def test_strategy_choice_is_recorded(batches):
     assert stats.bound in ("input", "compute")
     assert run_sink(batches, 5, 2, strategy="loop")[2].dispatches == 10
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
+
+
+def test_auto_takes_scan_for_one_step_sinks_without_measuring(batches):
+    with sinkax.data_sink(functools.partial(train_step), batches, 1) as sink:
+        state, _ = sink(init_state())
+        sink(state)
+        stats = sink.stats
+    assert stats.strategy == "scan" and stats.strategy_timings == {}
+    assert stats.compiles == 1 and stats.dispatches == 2  # the loop program was never built
 
 
 def test_lowered_sink_is_one_loop_and_compile_time_does_not_depend_on_size(batches):
