@@ -11,7 +11,8 @@ sinkax, on Linux:
 * ``"main"``     -- the thread that calls ``set_cpu_affinity`` (the one that drives training);
 * ``"runtime"``  -- every other thread already in the process (XLA's compute pools, JAX's
   threads); threads they start later inherit the binding;
-* ``"minddata"`` -- every sink's producer thread (and the grain threads it starts), now and later.
+* ``"minddata"`` -- every sink's producer thread, now and later; grain threads a producer starts
+  inherit its binding, but a later ``set_cpu_affinity`` call counts them as ``"runtime"``.
 
 By default the last quarter of the CPUs (at least one) goes to ``"minddata"`` and the rest to
 ``"main"`` and ``"runtime"``. ``set_cpu_affinity(False)`` gives every thread the original CPUs.
