@@ -249,7 +249,10 @@ class Sink:
         if self._stateful is None:
             self._stateful = stateful
             fn = self.fn if stateful else _stateless(self.fn)
-            self._strategy = strategies.make(self._strategy_name, fn, self._compiler, jit=self.jit)
+            steps = self.sink_size if self.sink_size > 0 else self.epoch_length
+            self._strategy = strategies.make(
+                self._strategy_name, fn, self._compiler, jit=self.jit, steps_per_call=steps
+            )
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")

@@ -13,8 +13,8 @@
   is still filling the ring then, which would bias whichever ran first); then the candidates
   run in the order A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping
   after A, B when one is clearly faster (by :data:`CLEAR_MARGIN`). ``"scan"`` -- the loop sink
-  proper -- is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`. A one-step window
-  takes ``"scan"`` unmeasured: XLA inlines a loop of one trip, so it is the standalone step.
+  proper -- is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`. A sink of one-step
+  calls takes ``"scan"`` unmeasured (see :func:`make`).
   ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
@@ -189,8 +189,6 @@ class Auto:
             candidate.prepare(state, chunk, offset, steps)
 
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        if not self.chosen and steps == 1:  # XLA inlines a one-trip loop: the scan is the step
-            self.chosen = self._schedule[0]
         if self.chosen:
             return self.chosen.run(state, chunk, offset, steps)
         candidate = self.last = self._schedule[self._trial]
@@ -220,11 +218,17 @@ class Auto:
         return first
 
 
-def make(name: str, fn: StepFn, compiler: Compiler, *, jit: bool) -> Strategy | Auto:
-    """The strategy called ``name`` (one of :data:`NAMES`), or :class:`Eager` without jit."""
+def make(
+    name: str, fn: StepFn, compiler: Compiler, *, jit: bool, steps_per_call: int | None = None
+) -> Strategy | Auto:
+    """The strategy called ``name`` (one of :data:`NAMES`), or :class:`Eager` without jit.
+
+    ``"auto"`` for one-step calls is ``"scan"``: XLA inlines a loop of one trip, so that scan is
+    the standalone step and there is nothing to measure.
+    """
     if not jit:
         return Eager(fn)
-    if name == "scan":
+    if name == "scan" or (name == "auto" and steps_per_call == 1):
         return Scan(fn, compiler)
     if name == "loop":
         return Loop(fn, compiler)

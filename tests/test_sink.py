@@ -295,7 +295,7 @@ def test_strategy_choice_is_recorded(batches, monkeypatch):
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
 
 
-def test_auto_takes_scan_for_one_step_sinks_without_measuring(batches):
+def test_auto_takes_scan_for_one_step_calls_without_measuring(batches):
     with sinkax.data_sink(functools.partial(train_step), batches, 1) as sink:
         state, _ = sink(init_state())
         sink(state)
