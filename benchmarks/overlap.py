@@ -125,9 +125,7 @@ def wakeups(compute, bind):
     """ms per ``time.sleep(0.7 ms)`` of a thread, alone and while the compute runs."""
 
     def probe(stop, count):
-        with contextlib.ExitStack() as stack:
-            if bind:
-                stack.enter_context(affinity.data_thread())
+        with affinity.data_thread() if bind else contextlib.nullcontext():
             while not stop.is_set():
                 time.sleep(0.0007)
                 count[0] += 1
@@ -144,6 +142,15 @@ def wakeups(compute, bind):
     alone = timed_probe(lambda: time.sleep(1.0))
     beside = timed_probe(lambda: [compute() for _ in range(2)])
     return alone, beside
+
+
+@contextlib.contextmanager
+def bound_apart():
+    sinkax.set_cpu_affinity(True)
+    try:
+        yield
+    finally:
+        sinkax.set_cpu_affinity(False)
 
 
 def sweep(step, compute, compute_ms, args):
@@ -173,13 +180,9 @@ def main(argv=None):
         )
     results, sleeps = {}, {}
     for setting, bind in settings.items():
-        if bind:
-            sinkax.set_cpu_affinity(True)
-        try:
+        with bound_apart() if bind else contextlib.nullcontext():
             sleeps[setting] = wakeups(compute, bind)
             results[setting] = sweep(step, compute, compute_ms, args)
-        finally:
-            sinkax.set_cpu_affinity(False)
     print(
         f"overlap of pipeline and compute ({machine()['device']}, jax {jax.__version__}); "
         f"compute {compute_ms:.2f} ms/step, {args.steps} steps, sink_size {args.sink_size}, "
