@@ -244,14 +244,22 @@ class Sink:
         """Batches per epoch, when the dataset's length is known."""
         return self._source.epoch_length
 
+    @property
+    def steps_per_call(self) -> int | None:
+        """Steps a call runs: ``sink_size``, or for ``-1`` the epoch length."""
+        return self.sink_size if self.sink_size > 0 else self.epoch_length
+
     # -- execution -----------------------------------------------------------------------
     def _strategy_for(self, stateful: bool) -> Any:
         if self._stateful is None:
             self._stateful = stateful
             fn = self.fn if stateful else _stateless(self.fn)
-            steps = self.sink_size if self.sink_size > 0 else self.epoch_length
             self._strategy = strategies.make(
-                self._strategy_name, fn, self._compiler, jit=self.jit, steps_per_call=steps
+                self._strategy_name,
+                fn,
+                self._compiler,
+                jit=self.jit,
+                steps_per_call=self.steps_per_call,
             )
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
@@ -353,8 +361,7 @@ class Sink:
         stateless sink. Waits for the first batch to learn the batch layout.
         """
         spec = self._ring.first_spec(self.timeout)
-        steps = self.sink_size if self.sink_size > 0 else self.epoch_length
-        steps = min(steps, self._max_steps(spec))  # type: ignore[type-var]
+        steps = min(self.steps_per_call, self._max_steps(spec))  # type: ignore[type-var]
         stateless = state is _NO_STATE
         fn = _stateless(self.fn) if stateless else self.fn
         return Compiler.lower(
