@@ -28,14 +28,13 @@ from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 
 from sinkax import context
 from sinkax import strategy as strategies
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
-from sinkax.executable import Compiler, scan_program
+from sinkax.executable import Compiler, concat_trees, copy_tree, scan_program
 from sinkax.spec import BatchSpec
 
 _NO_STATE: Any = object()
@@ -315,8 +314,8 @@ class Sink:
             while True:
                 chunk = self._current_chunk()
                 piece = chunk.pieces[self._piece]
-                if stateful and self.jit and not (piece.ends_call and not parts and run.atomic):
-                    carry = jax.tree.map(jnp.copy, carry)  # keep the caller's state valid
+                if stateful and self.jit and not parts and not (piece.ends_call and run.atomic):
+                    carry = copy_tree(carry)  # the caller's state stays valid if the call fails
                 carry, outs = run.run(carry, chunk.data, self._offset, piece.steps)
                 self._in_flight = (carry, outs)
                 self._piece += 1
@@ -336,7 +335,7 @@ class Sink:
         }
         self._calls += 1
         self._busy_s += time.perf_counter() - t_call - (self._data_wait_s - wait_before)
-        outs = parts[0] if len(parts) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+        outs = parts[0] if len(parts) == 1 else concat_trees(parts)
         self._returned = carry
         return (carry, outs) if stateful else outs
 

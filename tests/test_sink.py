@@ -74,6 +74,22 @@ def test_chunked_sinks_match_one_chunk(batches):
     assert chunked[2].compiles == 2  # one executable per distinct chunk length
 
 
+def test_a_split_call_copies_the_callers_state_once(batches, monkeypatch):
+    copies = []
+    copy_tree = sinkax.sink.copy_tree
+    monkeypatch.setattr(sinkax.sink, "copy_tree", lambda tree: copies.append(1) or copy_tree(tree))
+    batch_bytes = sum(v.nbytes for v in batches[0].values())
+    state = init_state()
+    with sinkax.data_sink(
+        train_step, batches, 9, max_chunk_bytes=4 * batch_bytes, strategy="scan"
+    ) as sink:
+        new_state, _ = sink(state)  # pieces of 4, 4 and 1 steps
+        assert sink.stats.dispatches == 3
+    assert len(copies) == 1  # later pieces donate the sink's own intermediate state
+    jax.tree.map(np.asarray, state)  # the caller's state was not donated
+    assert not np.allclose(np.asarray(jax.tree.leaves(new_state)[0]), jax.tree.leaves(state)[0])
+
+
 def test_stateless_form_returns_every_output(batches):
     with sinkax.data_sink(lambda b: b["x"].sum(), batches, sink_size=4) as sink:
         outs = sink()

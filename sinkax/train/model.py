@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from sinkax import context
+from sinkax.executable import copy_tree
 from sinkax.train.callbacks import Callback, ModelCheckpoint, RunContext
 from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
 from sinkax.train.steps import (
@@ -238,7 +239,7 @@ class Evaluator:
         self._net = connect_network_with_dataset(model._eval_and_count, self._helper)
 
     def __call__(self, params: Any) -> dict[str, float]:
-        params, parts = jax.tree.map(jnp.copy, params), []  # a copy: the sink donates it
+        params, parts = copy_tree(params), []  # a copy: the sink donates it
         for _ in self._helper:
             params, outs = self._net(params)
             parts.append(outs)
