@@ -244,15 +244,23 @@ class _HostNet:
         jit = context.jit_enabled(options.get("jit"))
         self._feed = feed
         self._device = options.get("device") or context.default_device()
-        self._stateful = jax.jit(fn, donate_argnums=0) if jit else fn
-        self._stateless = jax.jit(fn) if jit else fn
+
+        def stateful(state: Any, batch: Any) -> tuple[Any, Any]:
+            state, out = fn(state, batch)
+            return state, _stack_one(out)
+
+        def stateless(batch: Any) -> Any:
+            return _stack_one(fn(batch))
+
+        # the leading axis is added inside the compiled step, not op by op on the host
+        self._stateful = jax.jit(stateful, donate_argnums=0) if jit else stateful
+        self._stateless = jax.jit(stateless) if jit else stateless
 
     def __call__(self, state: Any = _NO_STATE) -> Any:
         batch = jax.device_put(self._feed.take(), self._device)
         if state is _NO_STATE:
-            return _stack_one(self._stateless(batch))
-        state, out = self._stateful(jax.device_put(state, self._device), batch)
-        return state, _stack_one(out)
+            return self._stateless(batch)
+        return self._stateful(jax.device_put(state, self._device), batch)
 
 
 def _stack_one(out: Any) -> Any:
