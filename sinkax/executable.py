@@ -7,6 +7,8 @@ calls can share one chunk and one transfer). Two programs run a step function
 
 * :func:`scan_program` -- every step of the window in one executable (``lax.scan``); its
   compile time does not depend on ``steps``;
+* :func:`single_step_program` -- one step on one batch (not a chunk), its output given a
+  leading axis of one: a one-step call on a batch handed over as it is;
 * :func:`step_program` -- one step, reading batch ``i`` of the chunk and writing its output into
   row ``j`` of a preallocated stacked buffer; a host loop dispatches it once per step, with no
   host-side data work. XLA:CPU optimises some step functions better outside a loop body (see
@@ -45,6 +47,21 @@ def scan_program(fn: StepFn, steps: int, unroll: int = 1) -> Callable[..., tuple
         return lax.scan(fn, state, window, unroll=unroll)
 
     return run
+
+
+def with_leading_axis(tree: Any) -> Any:
+    """Every leaf with a new leading axis of length one: one step's output, stacked."""
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
+
+
+def single_step_program(fn: StepFn) -> StepFn:
+    """``(state, batch) -> (state, outs)``: one step, its output stacked as a window of one."""
+
+    def step(state: Any, batch: Any) -> tuple[Any, Any]:
+        state, out = fn(state, batch)
+        return state, with_leading_axis(out)
+
+    return step
 
 
 def step_program(fn: StepFn) -> Callable[..., Any]:

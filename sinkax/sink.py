@@ -156,8 +156,6 @@ class Sink:
         data_state: dict[str, Any] | None = None,
     ):
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
-        if strategy not in strategies.NAMES:
-            raise ValueError(f"strategy must be one of {strategies.NAMES}, got {strategy!r}.")
         self.fn = fn
         self.sink_size = int(sink_size)
         self.jit = context.jit_enabled(jit)
@@ -173,9 +171,18 @@ class Sink:
                 f"{type(dataset).__name__} has no len(). Pass sink_size > 0 (steps per call) or a "
                 "sized dataset (a grain MapDataset, a list)."
             )
+        try:
+            self._strategy_name = strategies.resolve(
+                strategy,
+                jit=self.jit,
+                steps_per_call=self.steps_per_call,
+                platform=self.device.platform,
+            )
+        except ValueError:
+            self._source.close()
+            raise
         name = getattr(fn, "__name__", type(fn).__name__).strip("<>")
         self._compiler = Compiler(fn, name, save_graphs or context.graphs_folder())
-        self._strategy_name = strategy
         self._strategy: Any = None
         self._stateful: bool | None = None
         self._in_flight: tuple[Any, Any] | None = None
@@ -201,7 +208,11 @@ class Sink:
 
     def _start_ring(self) -> None:
         self._ring = DeviceRing(
-            self._source, self._plan, prefetch=self.prefetch, device=self.device
+            self._source,
+            self._plan,
+            prefetch=self.prefetch,
+            device=self.device,
+            stack=strategies.takes_stacked_chunks(self._strategy_name),
         )
         self._finalizer = weakref.finalize(self, self._ring.close)
 
@@ -253,24 +264,23 @@ class Sink:
         if self._stateful is None:
             self._stateful = stateful
             fn = self.fn if stateful else _stateless(self.fn)
-            self._strategy = strategies.make(
-                self._strategy_name,
-                fn,
-                self._compiler,
-                jit=self.jit,
-                steps_per_call=self.steps_per_call,
-            )
+            self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")
         return self._strategy
 
     def _finish_in_flight(self) -> None:
-        """Wait for the last dispatched chunk's compute, then free its device slot."""
+        """Wait for the last dispatched chunk's compute, then free its device slot.
+
+        An unstacked ring's chunk owns no memory that the ring reuses (the batches were handed
+        over as they came), so its slot is freed without waiting.
+        """
         if self._in_flight is None:
             return
-        with contextlib.suppress(RuntimeError):  # outputs donated or deleted: compute is over
-            jax.block_until_ready(self._in_flight)
+        if self._ring.stack:
+            with contextlib.suppress(RuntimeError):  # outputs donated or deleted: it is over
+                jax.block_until_ready(self._in_flight)
         self._in_flight = None
         self._ring.release()
 
@@ -422,8 +432,8 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         With ``sink_size > 0`` the data is traversed endlessly.
       jit: ``True`` compiles (GRAPH mode), ``False`` runs eagerly (PYNATIVE, for debugging);
         default from :func:`sinkax.set_context`.
-      strategy: ``"auto"`` (measure, keep the faster), ``"scan"`` or ``"loop"``
-        (see :mod:`sinkax.strategy`).
+      strategy: ``"auto"`` (measure, keep the faster), ``"scan"``, ``"loop"``, or for
+        ``sink_size=1`` ``"step"`` (see :mod:`sinkax.strategy`).
       prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.

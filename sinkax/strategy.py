@@ -7,6 +7,10 @@
   stays on the device. No per-step host data work, but one dispatch per step. On XLA:CPU some step
   functions (e.g. convolutions' weight gradients) only get the fast kernels outside a while-loop
   body; for those this beats ``"scan"``.
+* ``"step"``  -- one-step calls only: the compiled step runs on the batch as the dataset gave it,
+  which XLA takes at dispatch, as a plain jitted step does. On a CPU device the device memory is
+  host memory, so stacking batches into the ring first is one more copy -- memory-bound, in a
+  second thread that competes with XLA's compute threads for the cores.
 * ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
 * ``"auto"``  -- times ``"scan"`` and ``"loop"`` on whole sinks (compile time excluded) and
   keeps the faster per step. The first :data:`MIN_TRIAL_S` of calls run untimed (the producer
@@ -14,11 +18,12 @@
   run in the order A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping
   after A, B when one is clearly faster (by :data:`CLEAR_MARGIN`). ``"scan"`` -- the loop sink
   proper -- is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`. A sink of one-step
-  calls takes ``"scan"`` unmeasured (see :func:`make`).
+  calls is not measured (see :func:`resolve`).
   ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
-window of ``steps`` batches of a device-resident chunk, starting at ``offset``.
+window of ``steps`` batches of a chunk, starting at ``offset``: batches stacked on the device, or
+for ``"step"``, a sequence of batches as they came (see :func:`takes_stacked_chunks`).
 
 >>> import jax.numpy as jnp
 >>> from sinkax.executable import Compiler
@@ -37,9 +42,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sinkax.executable import Compiler, StepFn, layout, scan_program, step_program
+from sinkax.executable import (
+    Compiler,
+    StepFn,
+    layout,
+    scan_program,
+    single_step_program,
+    step_program,
+)
 
-NAMES = ("auto", "scan", "loop")
+NAMES = ("auto", "scan", "loop", "step")
 CLEAR_MARGIN = 1.5
 MIN_TRIAL_S = 0.2
 PREFER_MARGIN = 1.1
@@ -134,6 +146,38 @@ class Loop:
         return carry[0], carry[1]
 
 
+class Step:
+    """One-step windows: the compiled step on one batch of a sequence, outputs given a leading
+    axis inside the executable."""
+
+    name = "step"
+    atomic = True
+
+    def dispatches(self, steps: int) -> int:
+        return 1
+
+    def __init__(self, fn: StepFn, compiler: Compiler):
+        self._program = single_step_program(fn)
+        self._compiler = compiler
+        self._last: tuple[Any, Any] = (None, None)  # state out, executable
+
+    def _executable(self, state: Any, batch: Any) -> Any:
+        return self._compiler.get("step1", 1, lambda: self._program, state, batch)
+
+    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
+        self._executable(state, chunk[offset])
+
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        assert steps == 1, "resolve() gives 'step' to one-step sinks only"
+        batch = chunk[offset]
+        last_state, executable = self._last
+        if state is not last_state:  # every batch has the ring-checked layout; only state varies
+            executable = self._executable(state, batch)
+        state, outs = executable(state, batch)
+        self._last = (state, executable)
+        return state, outs
+
+
 class Eager:
     """PyNative mode: ``fn`` runs un-jitted, op by op, one batch at a time."""
 
@@ -218,18 +262,43 @@ class Auto:
         return first
 
 
-def make(
-    name: str, fn: StepFn, compiler: Compiler, *, jit: bool, steps_per_call: int | None = None
-) -> Strategy | Auto:
-    """The strategy called ``name`` (one of :data:`NAMES`), or :class:`Eager` without jit.
+def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) -> str:
+    """The strategy a sink runs, by name: ``name`` itself, or what ``"auto"`` settles to
+    without measuring.
 
-    ``"auto"`` for one-step calls is ``"scan"``: XLA inlines a loop of one trip, so that scan is
-    the standalone step and there is nothing to measure.
+    Without jit, ``"eager"``. ``"auto"`` for one-step calls measures nothing: XLA inlines a loop of
+    one trip, so ``"scan"`` *is* the standalone step, and on CPU ``"step"`` runs it without the
+    ring's copy. ``"step"`` needs one-step calls.
+
+    >>> resolve("auto", jit=True, steps_per_call=1, platform="cpu")
+    'step'
+    >>> resolve("auto", jit=True, steps_per_call=1, platform="gpu")
+    'scan'
     """
+    if name not in NAMES:
+        raise ValueError(f"strategy must be one of {NAMES}, got {name!r}.")
+    if name == "step" and steps_per_call != 1:
+        raise ValueError(
+            f"strategy='step' runs one step per call, but this sink runs {steps_per_call} steps "
+            "per call. Use sink_size=1, or strategy='scan' / 'loop' / 'auto' for longer sinks."
+        )
     if not jit:
+        return "eager"
+    if name == "auto" and steps_per_call == 1:
+        return "step" if platform == "cpu" else "scan"
+    return name
+
+
+def takes_stacked_chunks(name: str) -> bool:
+    """Whether the strategy ``name`` runs on batches stacked on the device (the ring's copy), or,
+    for ``"step"``, on a sequence of batches as the dataset gave them."""
+    return name != "step"
+
+
+def make(name: str, fn: StepFn, compiler: Compiler) -> Strategy | Auto:
+    """The strategy called ``name``, as :func:`resolve` gave it."""
+    if name == "eager":
         return Eager(fn)
-    if name == "scan" or (name == "auto" and steps_per_call == 1):
-        return Scan(fn, compiler)
-    if name == "loop":
-        return Loop(fn, compiler)
-    return Auto([Scan(fn, compiler), Loop(fn, compiler)])
+    if name == "auto":
+        return Auto([Scan(fn, compiler), Loop(fn, compiler)])
+    return {"scan": Scan, "loop": Loop, "step": Step}[name](fn, compiler)

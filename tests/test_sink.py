@@ -2,6 +2,7 @@
 
 import collections
 import functools
+import itertools
 import os
 import threading
 import time
@@ -20,6 +21,8 @@ from conftest import (
 )
 
 import sinkax
+from sinkax.channel.ring import DeviceRing
+from sinkax.channel.source import as_source
 
 
 def run_sink(batches, sink_size, calls, step=None, **options):
@@ -311,13 +314,58 @@ def test_strategy_choice_is_recorded(batches, monkeypatch):
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
 
 
-def test_auto_takes_scan_for_one_step_calls_without_measuring(batches):
+def test_auto_runs_one_step_calls_on_the_batches_as_given_on_cpu(batches):
     with sinkax.data_sink(functools.partial(train_step), batches, 1) as sink:
+        assert sink.stats.strategy == "step"  # settled without measuring
         state, _ = sink(init_state())
         sink(state)
         stats = sink.stats
-    assert stats.strategy == "scan" and stats.strategy_timings == {}
-    assert stats.compiles == 1 and stats.dispatches == 2  # the loop program was never built
+    assert stats.strategy == "step" and stats.strategy_timings == {}
+    assert stats.compiles == 1 and stats.dispatches == 2  # neither scan nor loop was built
+
+
+def test_one_step_calls_get_the_datasets_own_arrays_without_a_copy(batches):
+    # an unstacked ring checks the batches and hands them over as they are: no staging copy
+    ring = DeviceRing(
+        as_source(batches),
+        plan=lambda spec, position: itertools.repeat([(1, True)] * 4),
+        prefetch=1,
+        device=jax.devices()[0],
+        stack=False,
+    )
+    handed = []
+    try:
+        while len(handed) < 15:  # across an epoch's end
+            handed.extend(ring.get(timeout=10.0).data)
+            ring.release()
+    finally:
+        ring.close()
+    expected = [batches[i % len(batches)] for i in range(len(handed))]
+    assert all(h[k] is e[k] for h, e in zip(handed, expected, strict=True) for k in e)
+
+
+def test_step_strategy_needs_one_step_calls(batches):
+    with pytest.raises(ValueError, match=r"strategy='step' runs one step per call.*sink_size=1"):
+        sinkax.data_sink(train_step, batches, 3, strategy="step")
+    with pytest.raises(ValueError, match="runs 10 steps per call"):  # -1: the epoch's 10
+        sinkax.data_sink(train_step, batches, -1, strategy="step")
+
+
+def test_one_step_calls_fail_at_the_bad_batch_and_keep_failing(batches):
+    ragged = [*batches[:5], {"x": batches[5]["x"][:3], "y": batches[5]["y"][:3]}]
+    state = init_state()
+    with sinkax.data_sink(train_step, ragged, 1) as sink:
+        losses = []
+        for _ in range(5):
+            state, loss = sink(state)
+            losses.append(np.asarray(loss))
+        for _ in range(2):
+            with pytest.raises(sinkax.BatchSpecError, match=r"epoch 0, step 5.*leaf \['x'\]"):
+                sink(state)
+        assert sink.data_state()["step"] == 5 and sink.stats.strategy == "step"
+    ref_state, ref_losses = reference_run(batches, 5)
+    np.testing.assert_allclose(np.concatenate(losses), ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), state, ref_state)
 
 
 def test_lowered_sink_is_one_loop_and_compile_time_does_not_depend_on_size(batches):

@@ -13,6 +13,10 @@ producer slower than the training it feeds. They are 64-byte aligned, which lets
 them as device buffers without a copy (``device_put`` aliases aligned host memory), so on CPU a
 slot *is* the device memory; on GPU ``device_put`` copies from it.
 
+With ``stack=False`` (the ``"step"`` strategy's one-step calls on CPU) the producer checks the
+batches and hands them over as they came, a chunk being a tuple of them: no staging, no copy;
+the executable takes each batch at dispatch, as a plain jitted step does.
+
 The producer follows a plan: an endless sequence of chunk layouts, each a list of
 ``(steps, ends_call)`` pieces -- several whole sink calls grouped into one chunk (one transfer
 for many small calls), or a part of one call too large for a single chunk. Nothing is read past
@@ -55,7 +59,8 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Consecutive batches stacked on a leading axis, resident on the device, in pieces."""
+    """Consecutive batches, in pieces: stacked on a leading axis and resident on the device, or
+    (unstacked rings) a tuple of host batches."""
 
     data: Any
     pieces: tuple[Piece, ...]
@@ -108,10 +113,12 @@ class DeviceRing:
         *,
         prefetch: int,
         device: jax.Device,
+        stack: bool = True,
     ):
         self._source = source
         self._plan = plan
         self._device = device
+        self.stack = stack
         self._free: queue.Queue[list[np.ndarray] | None] = queue.Queue()
         for _ in range(prefetch + 1):
             self._free.put(None)  # a slot whose staging buffers are not allocated yet
@@ -150,7 +157,7 @@ class DeviceRing:
                 staging = self._acquire_slot()
                 if staging is None:
                     return
-                if not staging or len(staging[0]) < _steps(layout):
+                if self.stack and (not staging or len(staging[0]) < _steps(layout)):
                     capacity = max(capacity, _steps(layout))
                     staging = self._allocate(capacity)
                 chunk, leftover = self._build(layout, pending, staging)
@@ -197,6 +204,7 @@ class DeviceRing:
         spec = self.spec
         assert spec is not None
         pieces: list[Piece] = []
+        batches: list[Any] = []  # unstacked rings
         filled = 0
         try:
             for piece_steps, ends_call in layout:
@@ -204,8 +212,11 @@ class DeviceRing:
                     where = self._source.position
                     batch = pending[filled] if filled < len(pending) else next(self._source)
                     leaves = check(spec, batch, where)
-                    for buffer, leaf in zip(staging, leaves, strict=True):
-                        buffer[filled] = leaf
+                    if self.stack:
+                        for buffer, leaf in zip(staging, leaves, strict=True):
+                            buffer[filled] = leaf
+                    else:
+                        batches.append(jax.tree_util.tree_unflatten(spec.treedef, leaves))
                     filled += 1
                     if self._stop.is_set():
                         raise _Stopped
@@ -219,18 +230,21 @@ class DeviceRing:
             raise
         except BaseException:
             if pieces:
-                self._ready.put(self._transfer(pieces, staging, t0))
+                self._ready.put(self._transfer(pieces, staging, batches, t0))
             raise
-        return self._transfer(pieces, staging, t0), layout[len(pieces) :]
+        return self._transfer(pieces, staging, batches, t0), layout[len(pieces) :]
 
     def _transfer(
-        self, pieces: list[Piece], staging: list[np.ndarray], t0: float
+        self, pieces: list[Piece], staging: list[np.ndarray], batches: list[Any], t0: float
     ) -> tuple[Chunk, list[np.ndarray]]:
         spec = self.spec
         assert spec is not None
-        data = jax.device_put(jax.tree_util.tree_unflatten(spec.treedef, staging), self._device)
-        jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
         steps = sum(piece.steps for piece in pieces)
+        if self.stack:
+            data = jax.device_put(jax.tree_util.tree_unflatten(spec.treedef, staging), self._device)
+            jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
+        else:
+            data = tuple(batches[:steps])
         self.stats.batches += steps
         self.stats.chunks += 1
         self.stats.bytes += steps * spec.nbytes

@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from sinkax import context
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
+from sinkax.executable import single_step_program, with_leading_axis
 from sinkax.sink import _NO_STATE, Sink, SinkStats, data_sink
 
 
@@ -245,12 +245,10 @@ class _HostNet:
         self._feed = feed
         self._device = options.get("device") or context.default_device()
 
-        def stateful(state: Any, batch: Any) -> tuple[Any, Any]:
-            state, out = fn(state, batch)
-            return state, _stack_one(out)
+        stateful = single_step_program(fn)
 
         def stateless(batch: Any) -> Any:
-            return _stack_one(fn(batch))
+            return with_leading_axis(fn(batch))
 
         # the leading axis is added inside the compiled step, not op by op on the host
         self._stateful = jax.jit(stateful, donate_argnums=0) if jit else stateful
@@ -261,7 +259,3 @@ class _HostNet:
         if state is _NO_STATE:
             return self._stateless(batch)
         return self._stateful(jax.device_put(state, self._device), batch)
-
-
-def _stack_one(out: Any) -> Any:
-    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), out)
