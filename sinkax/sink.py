@@ -45,7 +45,8 @@ class SinkStats:
     """What a sink has done so far.
 
     ``data_wait_s`` is time the caller waited for data (input-bound); ``slot_wait_s`` is time the
-    producer waited for a free device slot (compute-bound).
+    producer waited for a free device slot (compute-bound). With the ``"step"`` strategy the
+    chunks and bytes counted were handed over unstacked; XLA takes each batch at dispatch.
     """
 
     steps: int
