@@ -66,11 +66,15 @@ class Strategy(Protocol):
     def dispatches(self, steps: int) -> int:
         """Executables dispatched to run a window of ``steps``."""
 
-    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
-        """Compile what :meth:`run` needs for this layout, running nothing."""
-
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         """``(state, outs)`` after batches ``offset .. offset+steps``; ``state`` is donated."""
+
+
+class Candidate(Strategy, Protocol):
+    """A strategy that :class:`Auto` can time: it compiles ahead, outside the timed run."""
+
+    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
+        """Compile what :meth:`run` needs for this layout, running nothing."""
 
 
 class Scan:
@@ -164,9 +168,6 @@ class Step:
     def _executable(self, state: Any, batch: Any) -> Any:
         return self._compiler.get("step1", 1, lambda: self._program, state, batch)
 
-    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
-        self._executable(state, chunk[offset])
-
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         assert steps == 1, "resolve() gives 'step' to one-step sinks only"
         batch = chunk[offset]
@@ -190,9 +191,6 @@ class Eager:
     def __init__(self, fn: StepFn):
         self._fn = fn
 
-    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
-        del state, chunk, offset, steps
-
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         outs = []
         for i in range(offset, offset + steps):
@@ -208,12 +206,12 @@ class Auto:
     sinks are not judged on one noisy call.
     """
 
-    def __init__(self, candidates: list[Strategy]):
+    def __init__(self, candidates: list[Candidate]):
         self._schedule = [candidates[0], *candidates, *reversed(candidates)]  # warm-up, A B B A
         self._trial = 0
         self._trial_s = self._trial_steps = 0.0
-        self.chosen: Strategy | None = None
-        self.last: Strategy = candidates[0]
+        self.chosen: Candidate | None = None
+        self.last: Candidate = candidates[0]
         self.timings: dict[str, float] = {c.name: math.inf for c in candidates}
 
     @property
@@ -227,10 +225,6 @@ class Auto:
 
     def dispatches(self, steps: int) -> int:
         return (self.chosen or self.last).dispatches(steps)
-
-    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
-        for candidate in self._schedule:
-            candidate.prepare(state, chunk, offset, steps)
 
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         if self.chosen:
@@ -253,7 +247,7 @@ class Auto:
                 self.chosen = self._fastest()
         return state, outs
 
-    def _fastest(self) -> Strategy:
+    def _fastest(self) -> Candidate:
         """The first candidate, unless another is faster by :data:`PREFER_MARGIN`."""
         first, *others = self._schedule[1 : 1 + len(self.timings)]
         best = min(others, key=lambda c: self.timings[c.name])
