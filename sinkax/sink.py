@@ -29,7 +29,7 @@ from typing import Any
 import grain
 import jax
 
-from sinkax import context
+from sinkax import context, interrupt
 from sinkax import strategy as strategies
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, as_source, snapshot
@@ -314,6 +314,7 @@ class Sink:
         returned one. If the call fails or is interrupted, the state passed in stays valid.
         """
         self._check_open()
+        interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
         stateful = state is not _NO_STATE
         run = self._strategy_for(stateful)
         if self._resync:  # an interrupted call consumed data it never delivered: rewind
@@ -325,29 +326,38 @@ class Sink:
             while True:
                 chunk = self._current_chunk()
                 piece = chunk.pieces[self._piece]
-                if stateful and self.jit and not parts and not (piece.ends_call and run.atomic):
-                    carry = copy_tree(carry)  # the caller's state stays valid if the call fails
+                if stateful and self.jit and not parts:  # the caller's state must stay valid:
+                    if piece.ends_call and run.atomic:  # one dispatch donates it; after that,
+                        interrupt.guard(carry)  # hold Ctrl-C until the new state is returned
+                    else:  # a failure between dispatches would lose it: work on a copy
+                        carry = copy_tree(carry)
                 carry, outs = run.run(carry, chunk.data, self._offset, piece.steps)
+                parts.append(outs)  # from here on, an interrupted call has consumed data
                 self._in_flight = (carry, outs)
                 self._piece += 1
                 self._offset += piece.steps
                 self._dispatches += run.dispatches(piece.steps)
                 self._steps += piece.steps
-                parts.append(outs)
                 if piece.ends_call:
                     break
+            outs = parts[0] if len(parts) == 1 else concat_trees(parts)
+            busy_s = time.perf_counter() - t_call - (self._data_wait_s - wait_before)
         except BaseException:
+            interrupt.GUARD.state = None
             self._resync = bool(parts) and not self._ring.failed
             raise
+        # From here on nothing is called, so no Ctrl-C can be raised (Python handles signals at
+        # calls and backward jumps): the new data position and the new state both reach the
+        # caller, or (before this point) neither does.
         self._committed = {
             "epoch": piece.position.epoch,
             "step": piece.position.step,
             "source": piece.source_state,
         }
         self._calls += 1
-        self._busy_s += time.perf_counter() - t_call - (self._data_wait_s - wait_before)
-        outs = parts[0] if len(parts) == 1 else concat_trees(parts)
+        self._busy_s += busy_s
         self._returned = carry
+        interrupt.GUARD.state = None
         return (carry, outs) if stateful else outs
 
     def _on_device(self, state: Any) -> Any:
@@ -407,6 +417,8 @@ class Sink:
         if not self._closed:
             self._closed = True
             self._stop_ring()
+            interrupt.restore()
+        interrupt.deliver_held()
 
     def __enter__(self) -> Sink:
         return self

@@ -1,9 +1,13 @@
 """Semantics of ``data_sink``: results, data order, errors and lifetime."""
 
 import collections
+import contextlib
+import dis
 import functools
 import itertools
 import os
+import signal
+import sys
 import threading
 import time
 
@@ -21,6 +25,7 @@ from conftest import (
 )
 
 import sinkax
+from sinkax import Sink
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import as_source
 
@@ -262,6 +267,107 @@ def test_interrupted_call_keeps_the_state_and_loses_no_batch(batches):
         state, losses = sink(state)  # the caller's state is still valid; data rewinds
     _, ref_losses = reference_run(batches, 8)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def ctrl_c_after_second_dispatch(monkeypatch, strategy_class):
+    """Make the second run of ``strategy_class`` press Ctrl-C right after it dispatched."""
+    dispatch, runs = strategy_class.run, []
+
+    def run(self, *args):
+        out = dispatch(self, *args)
+        runs.append(None)
+        if len(runs) == 2:
+            signal.raise_signal(signal.SIGINT)  # the state is donated by now
+        return out
+
+    monkeypatch.setattr(strategy_class, "run", run)
+
+
+@pytest.mark.parametrize(
+    "strategy, sink_size, strategy_class",
+    [("scan", 4, sinkax.strategy.Scan), ("step", 1, sinkax.strategy.Step)],
+)
+def test_ctrl_c_after_the_dispatch_is_held_for_the_next_call(
+    batches, monkeypatch, strategy, sink_size, strategy_class
+):
+    ctrl_c_after_second_dispatch(monkeypatch, strategy_class)
+    handler = signal.getsignal(signal.SIGINT)
+    with sinkax.data_sink(train_step, batches, sink_size, strategy=strategy) as sink:
+        state, first = sink(init_state())
+        try:
+            state, second = sink(state)  # Ctrl-C lands here, after the state was donated
+        except KeyboardInterrupt:
+            pytest.fail("a Ctrl-C after the dispatch escaped the call, losing the state")
+        position = sink.data_state()
+        with pytest.raises(KeyboardInterrupt):
+            sink(state)  # ... and stops the next call before it touches anything
+        assert sink.data_state() == position
+        state, third = sink(state)
+    assert signal.getsignal(signal.SIGINT) is handler  # close() gave the handler back
+    ref_state, ref_losses = reference_run(batches, 3 * sink_size)
+    np.testing.assert_allclose(np.concatenate([first, second, third]), ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), state, ref_state)
+
+
+def signal_checks(code):
+    """Offsets in ``code`` after which CPython runs pending signal handlers: calls, back jumps."""
+    return {i.offset for i in dis.get_instructions(code) if i.opname.startswith(("CALL", "JUMP_B"))}
+
+
+@contextlib.contextmanager
+def ctrl_c_at_check(k):
+    """Press Ctrl-C at the ``k``-th point of a ``Sink.__call__`` where a real one can land: its
+    start, or right after one of its calls or backward jumps (none if the call has fewer)."""
+    code = Sink.__call__.__code__
+    after, checks, last = signal_checks(code), itertools.count(), [None]
+
+    def on_opcode(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            if (last[0] is None or last[0] in after) and next(checks) == k:
+                signal.raise_signal(signal.SIGINT)
+            last[0] = frame.f_lasti
+        return on_opcode
+
+    sys.settrace(lambda frame, *_: on_opcode if frame.f_code is code else None)
+    try:
+        yield checks
+    finally:
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize(
+    "strategy, sink_size, chunk_batches",
+    [("scan", 4, None), ("step", 1, None), ("scan", 9, 4), ("loop", 3, None)],
+    ids=["one-dispatch", "step", "split-over-chunks", "dispatch-per-step"],
+)
+def test_ctrl_c_anywhere_in_a_call_keeps_the_state_and_every_batch(
+    batches, strategy, sink_size, chunk_batches
+):
+    batch_bytes = sum(v.nbytes for v in batches[0].values())
+    options = {"strategy": strategy, "max_chunk_bytes": (chunk_batches or 64) * batch_bytes}
+    _, ref_losses = reference_run(batches, 3 * sink_size)
+    for k in itertools.count():
+        with sinkax.data_sink(train_step, batches, sink_size, **options) as sink:
+            state, losses = sink(init_state())
+            with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k) as checks:
+                state, more = sink(state)
+                losses = np.concatenate([losses, more])
+            while len(losses) < len(ref_losses):  # a held Ctrl-C stops the first of these
+                with contextlib.suppress(KeyboardInterrupt):
+                    state, more = sink(state)
+                    losses = np.concatenate([losses, more])
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"Ctrl-C at check {k}")
+        if next(checks) <= k:  # the call passed fewer checks: each one has had its Ctrl-C
+            break
+
+
+def test_a_sink_runs_off_the_main_thread(batches):
+    results = []
+    worker = threading.Thread(target=lambda: results.append(run_sink(batches, 1, 3)))
+    worker.start()
+    worker.join()
+    np.testing.assert_allclose(results[0][1], reference_run(batches, 3)[1], rtol=1e-5)
 
 
 # -- lifetime, stats, graphs ----------------------------------------------------------------
