@@ -9,7 +9,7 @@ at :func:`deliver_held` -- the start of the next call, or ``close()``.
 
 :func:`guard` installs a SIGINT handler that passes every signal it does not hold to the handler
 it replaced (Python's ``default_int_handler``, a notebook kernel's, a user's), and puts itself
-back if something replaced it in between; :func:`restore` gives the old handler back. Only the
+back if something replaced it in between; :func:`release` gives the old handler back. Only the
 main thread ever receives ``KeyboardInterrupt``, so calls from other threads need no guard.
 
 >>> import jax.numpy as jnp
@@ -17,7 +17,7 @@ main thread ever receives ``KeyboardInterrupt``, so calls from other threads nee
 >>> guard(state)
 True
 >>> GUARD.state = None  # what a call does last, a plain store: nothing can interrupt it
->>> restore()
+>>> release()
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ def deliver_held() -> None:
         GUARD.previous(signal.SIGINT, None)
 
 
-def restore() -> None:
-    """Put back the SIGINT handler :func:`guard` replaced, if ours is still installed."""
+def release() -> None:
+    """Put back the SIGINT handler :func:`guard` replaced (if ours is still installed), then
+    :func:`deliver_held`: what closing a channel does."""
     main = threading.current_thread() is threading.main_thread()
     if main and _signal.getsignal(signal.SIGINT) is _on_sigint:
         signal.signal(signal.SIGINT, GUARD.previous)
+    deliver_held()

@@ -417,8 +417,7 @@ class Sink:
         if not self._closed:
             self._closed = True
             self._stop_ring()
-            interrupt.restore()
-        interrupt.deliver_held()
+        interrupt.release()
 
     def __enter__(self) -> Sink:
         return self

@@ -1,5 +1,11 @@
 """Small step functions and datasets shared by the core tests."""
 
+import contextlib
+import dis
+import itertools
+import signal
+import sys
+
 import grain
 import jax
 import jax.numpy as jnp
@@ -66,3 +72,31 @@ def collect_index(state, batch):
 @pytest.fixture
 def batches():
     return regression_batches(10)
+
+
+# -- Ctrl-C where CPython can deliver one -------------------------------------------------------
+def signal_checks(code):
+    """Offsets in ``code`` after which CPython runs pending signal handlers: calls, back jumps."""
+    return {i.offset for i in dis.get_instructions(code) if i.opname.startswith(("CALL", "JUMP_B"))}
+
+
+@contextlib.contextmanager
+def ctrl_c_at_check(k, function):
+    """Press Ctrl-C at the ``k``-th point of a run of ``function`` where a real one can land: its
+    start, or right after one of its calls or backward jumps (none if the run has fewer)."""
+    code = function.__code__
+    after, checks, last = signal_checks(code), itertools.count(), [None]
+
+    def on_opcode(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            if (last[0] is None or last[0] in after) and next(checks) == k:
+                signal.raise_signal(signal.SIGINT)
+            last[0] = frame.f_lasti
+        return on_opcode
+
+    sys.settrace(lambda frame, *_: on_opcode if frame.f_code is code else None)
+    try:
+        yield checks
+    finally:
+        sys.settrace(None)

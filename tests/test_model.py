@@ -1,5 +1,7 @@
 """``Model`` train/eval/predict, the train and eval steps, ``DatasetHelper``, resuming."""
 
+import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import ctrl_c_at_check
 
 import sinkax
 from sinkax.train import (
@@ -241,6 +244,25 @@ def test_connected_network_gives_the_model_results(sink_mode):
     ref_state, ref_losses = reference(batches, steps)
     np.testing.assert_allclose(np.concatenate(losses), ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+def test_ctrl_c_anywhere_in_a_non_sink_step_keeps_the_state():
+    step = make_train_step(linear, cross_entropy, OPTIMIZER)
+    for k in itertools.count():
+        with DatasetHelper(blobs(3), dataset_sink_mode=False) as helper:
+            net, trained = connect_network_with_dataset(step, helper), 0
+            state = TrainState.create(init_params(), OPTIMIZER)
+            for i, _ in enumerate(helper):
+                with (
+                    contextlib.suppress(KeyboardInterrupt),  # a held one stops the next step
+                    ctrl_c_at_check(k if i == 1 else -1, type(net).__call__) as checks,
+                ):
+                    state, _ = net(state)
+                    trained += 1
+        assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+        assert int(state.step) == trained  # the state the last finished step returned
+        if next(checks) <= k:
+            break
 
 
 def test_helper_misuse_is_explained():

@@ -2,12 +2,10 @@
 
 import collections
 import contextlib
-import dis
 import functools
 import itertools
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import (
     collect_index,
+    ctrl_c_at_check,
     indexed_map_dataset,
     init_state,
     reference_run,
@@ -25,7 +24,6 @@ from conftest import (
 )
 
 import sinkax
-from sinkax import Sink
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import as_source
 
@@ -309,33 +307,6 @@ def test_ctrl_c_after_the_dispatch_is_held_for_the_next_call(
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), state, ref_state)
 
 
-def signal_checks(code):
-    """Offsets in ``code`` after which CPython runs pending signal handlers: calls, back jumps."""
-    return {i.offset for i in dis.get_instructions(code) if i.opname.startswith(("CALL", "JUMP_B"))}
-
-
-@contextlib.contextmanager
-def ctrl_c_at_check(k):
-    """Press Ctrl-C at the ``k``-th point of a ``Sink.__call__`` where a real one can land: its
-    start, or right after one of its calls or backward jumps (none if the call has fewer)."""
-    code = Sink.__call__.__code__
-    after, checks, last = signal_checks(code), itertools.count(), [None]
-
-    def on_opcode(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            if (last[0] is None or last[0] in after) and next(checks) == k:
-                signal.raise_signal(signal.SIGINT)
-            last[0] = frame.f_lasti
-        return on_opcode
-
-    sys.settrace(lambda frame, *_: on_opcode if frame.f_code is code else None)
-    try:
-        yield checks
-    finally:
-        sys.settrace(None)
-
-
 @pytest.mark.parametrize(
     "strategy, sink_size, chunk_batches",
     [("scan", 4, None), ("step", 1, None), ("scan", 9, 4), ("loop", 3, None)],
@@ -350,7 +321,10 @@ def test_ctrl_c_anywhere_in_a_call_keeps_the_state_and_every_batch(
     for k in itertools.count():
         with sinkax.data_sink(train_step, batches, sink_size, **options) as sink:
             state, losses = sink(init_state())
-            with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k) as checks:
+            with (
+                contextlib.suppress(KeyboardInterrupt),
+                ctrl_c_at_check(k, sinkax.Sink.__call__) as checks,
+            ):
                 state, more = sink(state)
                 losses = np.concatenate([losses, more])
             while len(losses) < len(ref_losses):  # a held Ctrl-C stops the first of these

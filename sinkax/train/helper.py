@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from sinkax import context
+from sinkax import context, interrupt
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
 from sinkax.executable import single_step_program, with_leading_axis
@@ -206,6 +206,7 @@ class _HostFeed:
 
     def close(self) -> None:
         self._source.close()
+        interrupt.release()
 
 
 def connect_network_with_dataset(
@@ -255,7 +256,12 @@ class _HostNet:
         self._stateless = jax.jit(stateless) if jit else stateless
 
     def __call__(self, state: Any = _NO_STATE) -> Any:
+        interrupt.deliver_held()
         batch = jax.device_put(self._feed.take(), self._device)
         if state is _NO_STATE:
             return self._stateless(batch)
-        return self._stateful(jax.device_put(state, self._device), batch)
+        state = jax.device_put(state, self._device)
+        interrupt.guard(state)  # the step donates it: hold a Ctrl-C after that until returned
+        out = self._stateful(state, batch)
+        interrupt.GUARD.state = None
+        return out
