@@ -54,10 +54,11 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 def guard(state: Any) -> bool:
-    """Hold Ctrl-C once ``state`` is donated, until ``GUARD.state = None``.
+    """Hold Ctrl-C once ``state`` is donated, until the caller stores ``GUARD.state = None``.
 
-    Returns whether the guard is open: not off the main thread, nor where SIGINT has no Python
-    handler (ignored, or the OS default), since no ``KeyboardInterrupt`` can arise there.
+    Returns whether the guard opened, and so whether that caller must close it: not off the main
+    thread (another thread's call must not close the main thread's guard), nor where SIGINT has
+    no Python handler (ignored, or the OS default): no ``KeyboardInterrupt`` can arise there.
     """
     if threading.current_thread() is not threading.main_thread():
         return False

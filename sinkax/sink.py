@@ -322,13 +322,14 @@ class Sink:
         carry = () if not stateful else self._on_device(state)
         t_call, wait_before = time.perf_counter(), self._data_wait_s
         parts: list[Any] = []
+        guarded = False  # whether this call holds Ctrl-C (main thread only): it clears it
         try:
             while True:
                 chunk = self._current_chunk()
                 piece = chunk.pieces[self._piece]
                 if stateful and self.jit and not parts:  # the caller's state must stay valid:
                     if piece.ends_call and run.atomic:  # one dispatch donates it; after that,
-                        interrupt.guard(carry)  # hold Ctrl-C until the new state is returned
+                        guarded = interrupt.guard(carry)  # hold Ctrl-C until it is returned
                     else:  # a failure between dispatches would lose it: work on a copy
                         carry = copy_tree(carry)
                 carry, outs = run.run(carry, chunk.data, self._offset, piece.steps)
@@ -343,7 +344,8 @@ class Sink:
             outs = parts[0] if len(parts) == 1 else concat_trees(parts)
             busy_s = time.perf_counter() - t_call - (self._data_wait_s - wait_before)
         except BaseException:
-            interrupt.GUARD.state = None
+            if guarded:
+                interrupt.GUARD.state = None
             self._resync = bool(parts) and not self._ring.failed
             raise
         # From here on nothing is called, so no Ctrl-C can be raised (Python handles signals at
@@ -357,7 +359,8 @@ class Sink:
         self._calls += 1
         self._busy_s += busy_s
         self._returned = carry
-        interrupt.GUARD.state = None
+        if guarded:
+            interrupt.GUARD.state = None
         return (carry, outs) if stateful else outs
 
     def _on_device(self, state: Any) -> Any:

@@ -261,7 +261,8 @@ class _HostNet:
         if state is _NO_STATE:
             return self._stateless(batch)
         state = jax.device_put(state, self._device)
-        interrupt.guard(state)  # the step donates it: hold a Ctrl-C after that until returned
+        guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
         out = self._stateful(state, batch)
-        interrupt.GUARD.state = None
+        if guarded:
+            interrupt.GUARD.state = None
         return out
