@@ -15,6 +15,7 @@ demo: $(VENV)/.installed  ## train LeNet5 on the bundled MNIST sample with sinki
 
 test: $(VENV)/.installed  ## lint + the fast test suite (what CI runs)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 slow: $(VENV)/.installed  ## the slow tests too
