@@ -12,6 +12,11 @@ it replaced (Python's ``default_int_handler``, a notebook kernel's, a user's), a
 back if something replaced it in between; :func:`release` gives the old handler back. Only the
 main thread ever receives ``KeyboardInterrupt``, so calls from other threads need no guard.
 
+What no guard can cover: CPython checks for signals in the caller right after a call returns,
+before the result is stored. A Ctrl-C arriving in the call's last few bytecodes (after it closed
+the guard) is raised there -- the window every donating ``jax.jit`` call has around its whole
+dispatch, here a few bytecodes long.
+
 >>> import jax.numpy as jnp
 >>> state = jnp.zeros(2)
 >>> guard(state)
