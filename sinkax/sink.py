@@ -22,6 +22,7 @@ import math
 import numbers
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -215,13 +216,22 @@ class Sink:
             device=self.device,
             stack=strategies.takes_stacked_chunks(self._strategy_name),
         )
-        self._finalizer = weakref.finalize(self, self._ring.close)
+        self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
 
-    def _stop_ring(self) -> None:
+    def _stop_ring(self) -> bool:
+        """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
         self._finish_in_flight()
         self._chunk = None
         self._finalizer.detach()
-        self._ring.close()
+        return self._ring.close(self.timeout)
+
+    def _stuck_producer(self, doing: str) -> str:
+        return (
+            f"The producer thread is still inside the dataset's iterator {self.timeout:.1f} s "
+            f"after {doing} asked it to stop: the dataset is slow or blocked. The thread is a "
+            "daemon and ends as soon as the dataset returns; a dataset that can block "
+            "indefinitely should time out by itself."
+        )
 
     def data_state(self) -> dict[str, Any]:
         """Where the next call starts reading: ``{"epoch", "step", "source"}``, JSON-friendly.
@@ -234,7 +244,11 @@ class Sink:
     def restore_data_state(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
         self._check_open()
-        self._stop_ring()
+        if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
+            raise SinkTimeoutError(
+                self._stuck_producer("rewinding the data")
+                + " Call again once it has returned, or create a new sink."
+            )
         self._source.set_state(state["source"])
         self._committed = snapshot(self._source)
         self._resync = False
@@ -419,7 +433,8 @@ class Sink:
         """Stop the producer thread and free the device chunks. Idempotent."""
         if not self._closed:
             self._closed = True
-            self._stop_ring()
+            if not self._stop_ring():
+                warnings.warn(self._stuck_producer("close()"), RuntimeWarning, stacklevel=2)
         interrupt.release()
 
     def __enter__(self) -> Sink:

@@ -231,16 +231,68 @@ def test_a_stalled_pipeline_times_out_with_a_diagnosis(batches):
         def __iter__(self):
             for i, batch in enumerate(batches):
                 if i >= 2:
-                    time.sleep(0.5)
+                    time.sleep(1.0)
                 yield batch
 
-    with sinkax.data_sink(train_step, Slow(), 2, timeout=0.2) as sink:
-        state, _ = sink(init_state())
-        with pytest.raises(sinkax.SinkTimeoutError) as err:
-            sink(state)
+    sink = sinkax.data_sink(train_step, Slow(), 2, timeout=0.2)
+    state, _ = sink(init_state())
+    with pytest.raises(sinkax.SinkTimeoutError) as err:
+        sink(state)
+    with pytest.warns(RuntimeWarning, match="slow or blocked"):  # mid-batch for 1 s
+        sink.close()
     message = str(err.value)
     assert "0.2 s" in message and "batches/s" in message and "steps/s" in message
     assert "num_threads" in message
+
+
+class BlocksAfter:
+    """The batches, but reading the ``n``-th blocks until ``unblock`` is set."""
+
+    def __init__(self, batches, n):
+        self.batches, self.n, self.unblock = batches, n, threading.Event()
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if i == self.n:
+                self.unblock.wait()
+            yield batch
+
+
+def producer_threads():
+    return [t for t in threading.enumerate() if t.name == "sinkax-producer"]
+
+
+def test_close_does_not_wait_forever_for_a_blocked_dataset(batches):
+    dataset = BlocksAfter(batches, 3)
+    sink = sinkax.data_sink(train_step, dataset, 1, timeout=0.3)
+    state = init_state()
+    with pytest.raises(sinkax.SinkTimeoutError):
+        for _ in range(4):
+            state, _ = sink(state)
+    t0 = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="still inside the dataset's iterator 0.3 s"):
+        sink.close()
+    assert time.perf_counter() - t0 < 5
+    dataset.unblock.set()  # the dataset returns: the daemon producer ends on its own
+    for thread in producer_threads():
+        thread.join(5)
+    assert not producer_threads()
+
+
+def test_rewinding_waits_for_a_blocked_dataset_and_loses_nothing(batches):
+    dataset = BlocksAfter(batches, 3)
+    with sinkax.data_sink(train_step, dataset, 1, timeout=0.3) as sink:
+        state, first = sink(init_state())
+        time.sleep(0.1)  # the producer reads ahead, into the blocking batch
+        with pytest.raises(sinkax.SinkTimeoutError, match="rewinding the data"):
+            sink.restore_data_state(sink.data_state())
+        dataset.unblock.set()
+        sink.restore_data_state(sink.data_state())  # the producer has ended: now it rewinds
+        losses = [first]
+        for _ in range(5):
+            state, loss = sink(state)
+            losses.append(loss)
+    np.testing.assert_allclose(np.concatenate(losses), reference_run(batches, 6)[1], rtol=1e-5)
 
 
 def test_interrupted_call_keeps_the_state_and_loses_no_batch(batches):
@@ -425,7 +477,7 @@ def test_one_step_calls_get_the_datasets_own_arrays_without_a_copy(batches):
             handed.extend(ring.get(timeout=10.0).data)
             ring.release()
     finally:
-        ring.close()
+        ring.close(timeout=10.0)
     expected = [batches[i % len(batches)] for i in range(len(handed))]
     assert all(h[k] is e[k] for h, e in zip(handed, expected, strict=True) for k in e)
 

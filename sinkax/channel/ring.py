@@ -103,7 +103,8 @@ class DeviceRing:
     >>> ring.release(); second = ring.get(timeout=10.0)
     >>> second.data["x"][:2].tolist(), [p.position for p in second.pieces]
     ([[1], [2]], [Position(epoch=0, step=3)])
-    >>> ring.release(); ring.close()
+    >>> ring.release(); ring.close(timeout=10.0)
+    True
     """
 
     def __init__(
@@ -138,7 +139,10 @@ class DeviceRing:
     # -- producer side -------------------------------------------------------------------
     def _produce(self) -> None:
         with affinity.data_thread():  # on the data CPUs, if sinkax.set_cpu_affinity asked
-            self._run_producer()
+            try:
+                self._run_producer()
+            finally:  # by the thread that reads it, also when close() stopped waiting for it
+                self._source.close()
 
     def _run_producer(self) -> None:
         try:
@@ -286,13 +290,18 @@ class DeviceRing:
             self._in_use -= 1
         self._free.put(self._handed_out.popleft())
 
-    def close(self) -> None:
-        """Stop the producer, wait for it and drop the queued chunks."""
+    def close(self, timeout: float) -> bool:
+        """Stop the producer, drop the queued chunks; whether the producer ended in ``timeout`` s.
+
+        The producer stops between two batches; one blocked inside the dataset's ``next`` stays
+        until that returns (a daemon thread: it never holds up the interpreter's exit), then
+        closes the source and ends.
+        """
         self._stop.set()
-        self._thread.join()
-        self._source.close()
+        self._thread.join(timeout)
         while not self._ready.empty():
             self._ready.get_nowait()
+        return not self._thread.is_alive()
 
 
 def _steps(layout: Layout) -> int:
