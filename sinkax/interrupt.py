@@ -78,8 +78,11 @@ def guard(state: Any) -> bool:
 
 
 def deliver_held() -> None:
-    """Pass a held Ctrl-C on to its handler (by default: raise ``KeyboardInterrupt`` here)."""
-    if GUARD.held:
+    """Pass a held Ctrl-C on to its handler (by default: raise ``KeyboardInterrupt`` here).
+
+    Only on the main thread, where the signal was meant to land; other threads leave it held.
+    """
+    if GUARD.held and threading.current_thread() is threading.main_thread():
         GUARD.held = False
         GUARD.previous(signal.SIGINT, None)
 

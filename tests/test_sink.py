@@ -391,14 +391,17 @@ def test_ctrl_c_anywhere_in_a_call_keeps_the_state_and_every_batch(
 def test_a_sink_runs_off_the_main_thread_and_leaves_its_guard_alone(batches):
     guarded, results = jnp.zeros(1), []
     assert sinkax.interrupt.guard(guarded)  # as a main-thread call in progress would
+    sinkax.interrupt.GUARD.held = True  # ... with a Ctrl-C held for the main thread
     try:
         worker = threading.Thread(target=lambda: results.append(run_sink(batches, 1, 3)))
         worker.start()
         worker.join()
         assert sinkax.interrupt.GUARD.state is guarded
+        assert sinkax.interrupt.GUARD.held
     finally:
         sinkax.interrupt.GUARD.state = None
-        sinkax.interrupt.release()
+        with pytest.raises(KeyboardInterrupt):  # delivered here, on the main thread
+            sinkax.interrupt.release()
     np.testing.assert_allclose(results[0][1], reference_run(batches, 3)[1], rtol=1e-5)
 
 
