@@ -13,9 +13,9 @@ back if something replaced it in between; :func:`release` gives the old handler 
 main thread ever receives ``KeyboardInterrupt``, so calls from other threads need no guard.
 
 What no guard can cover: CPython checks for signals in the caller right after a call returns,
-before the result is stored. A Ctrl-C arriving in the call's last few bytecodes (after it closed
-the guard) is raised there -- the window every donating ``jax.jit`` call has around its whole
-dispatch, here a few bytecodes long.
+before the result is stored. A Ctrl-C arriving in the call's last few bytecodes (after its
+:func:`checkpoint`) is raised there -- the window every donating ``jax.jit`` call has around its
+whole dispatch, here a few bytecodes long.
 
 >>> import jax.numpy as jnp
 >>> state = jnp.zeros(2)
@@ -94,3 +94,12 @@ def release() -> None:
     if main and _signal.getsignal(signal.SIGINT) is _on_sigint:
         signal.signal(signal.SIGINT, GUARD.previous)
     deliver_held()
+
+
+def checkpoint() -> None:
+    """Nothing: entering a Python function is a point where CPython runs pending handlers.
+
+    A guarded call ends with it, after the last thing that takes time (freeing the previous
+    state, or a batch), so that a Ctrl-C which came meanwhile is handled -- and held -- inside the
+    guard rather than in the caller after the return.
+    """

@@ -357,22 +357,24 @@ class Sink:
                     break
             outs = parts[0] if len(parts) == 1 else concat_trees(parts)
             busy_s = time.perf_counter() - t_call - (self._data_wait_s - wait_before)
+            committed = {
+                "epoch": piece.position.epoch,
+                "step": piece.position.step,
+                "source": piece.source_state,
+            }
+            self._returned = carry  # frees the last call's state, while a Ctrl-C is still held
+            interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException:
             if guarded:
                 interrupt.GUARD.state = None
             self._resync = bool(parts) and not self._ring.failed
             raise
-        # From here on nothing is called, so no Ctrl-C can be raised (Python handles signals at
-        # calls and backward jumps): the new data position and the new state both reach the
-        # caller, or (before this point) neither does.
-        self._committed = {
-            "epoch": piece.position.epoch,
-            "step": piece.position.step,
-            "source": piece.source_state,
-        }
+        # From here on nothing is called and nothing slow is freed, so no Ctrl-C can be raised
+        # (Python handles signals at calls and backward jumps): the new data position and the
+        # new state both reach the caller, or (before this point) neither does.
+        self._committed = committed
         self._calls += 1
         self._busy_s += busy_s
-        self._returned = carry
         if guarded:
             interrupt.GUARD.state = None
         return (carry, outs) if stateful else outs

@@ -263,6 +263,8 @@ class _HostNet:
         state = jax.device_put(state, self._device)
         guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
         out = self._stateful(state, batch)
+        del batch  # freed (µs) while a Ctrl-C is still held, not after the guard closes
+        interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
         if guarded:
             interrupt.GUARD.state = None
         return out
