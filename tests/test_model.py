@@ -246,21 +246,26 @@ def test_connected_network_gives_the_model_results(sink_mode):
     assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
 
 
-def test_ctrl_c_anywhere_in_a_non_sink_step_keeps_the_state():
+def test_ctrl_c_anywhere_in_a_non_sink_step_keeps_the_state_and_every_batch():
     step = make_train_step(linear, cross_entropy, OPTIMIZER)
+    batches = blobs(4)
     for k in itertools.count():
-        with DatasetHelper(blobs(3), dataset_sink_mode=False) as helper:
+        with DatasetHelper(batches, dataset_sink_mode=False, epoch_num=2) as helper:
             net, trained = connect_network_with_dataset(step, helper), 0
             state = TrainState.create(init_params(), OPTIMIZER)
-            for i, _ in enumerate(helper):
-                with (
-                    contextlib.suppress(KeyboardInterrupt),  # a held one stops the next step
-                    ctrl_c_at_check(k if i == 1 else -1, type(net).__call__) as checks,
-                ):
-                    state, _ = net(state)
-                    trained += 1
-        assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
-        assert int(state.step) == trained  # the state the last finished step returned
+            for epoch in range(2):  # an interrupted step's batch comes again, in this epoch
+                for i, _ in enumerate(helper):
+                    with (
+                        contextlib.suppress(KeyboardInterrupt),  # a held one stops the next step
+                        ctrl_c_at_check(
+                            k if (epoch, i) == (0, 1) else -1, type(net).__call__
+                        ) as checks,
+                    ):
+                        state, _ = net(state)
+                        trained += 1
+            position = helper.data_state()
+        assert int(state.step) == trained == 4 * position["epoch"] + position["step"]
+        assert_trees_close(state, reference(batches, trained)[0], rtol=1e-6)
         if next(checks) <= k:
             break
 

@@ -165,7 +165,12 @@ class DatasetHelper:
 
 
 class _HostFeed:
-    """Non-sink mode: the dataset read on the host, one batch handed out at a time."""
+    """Non-sink mode: the dataset read on the host, one batch handed out at a time.
+
+    A batch counts as read once the network's step on it has finished (:class:`_HostNet` then
+    sets ``committed`` and ``stepped``); a batch whose step was interrupted is handed out again,
+    so no batch is skipped or repeated.
+    """
 
     def __init__(self, dataset: Any, data_state: dict[str, Any] | None, read_options: Any):
         self._source = as_source(dataset, read_options)
@@ -178,31 +183,34 @@ class _HostFeed:
             )
         if data_state is not None:
             self._source.set_state(data_state["source"])
-        self._committed = snapshot(self._source)
-        self._pending: Any = _NO_STATE
+        self.committed = snapshot(self._source)  # where the next batch to step on comes from
+        self.pending: Any = _NO_STATE  # the batch handed out last
+        self.pending_position = self.committed  # where the batch after it comes from
+        self.stepped = True  # whether the network's step on `pending` has finished
 
     @property
     def step(self) -> int:
-        return self._committed["step"]
+        return self.committed["step"]
 
     def data_state(self) -> dict[str, Any]:
-        return dict(self._committed)
+        return dict(self.committed)
 
     def pull(self) -> Any:
-        """The next batch; from here on it counts as consumed (and is what the network runs)."""
-        self._pending = next(self._source)
-        self._committed = snapshot(self._source)
-        return self._pending
+        """The batch to step on next: a new one, or again the last if its step did not finish."""
+        if self.stepped:
+            self.pending = next(self._source)
+            self.pending_position = snapshot(self._source)
+            self.stepped = False
+        return self.pending
 
     def take(self) -> Any:
-        """The batch last pulled, once."""
-        batch, self._pending = self._pending, _NO_STATE
-        if batch is _NO_STATE:
+        """The batch last pulled, for the network's one step on it."""
+        if self.stepped:
             raise RuntimeError(
                 "In non-sink mode the connected network runs on the batch the DatasetHelper "
                 "just yielded: call net(state) once per item of `for _ in helper`."
             )
-        return batch
+        return self.pending
 
     def close(self) -> None:
         self._source.close()
@@ -257,14 +265,20 @@ class _HostNet:
 
     def __call__(self, state: Any = _NO_STATE) -> Any:
         interrupt.deliver_held()
-        batch = jax.device_put(self._feed.take(), self._device)
+        feed = self._feed
+        batch = jax.device_put(feed.take(), self._device)
+        guarded = False
         if state is _NO_STATE:
-            return self._stateless(batch)
-        state = jax.device_put(state, self._device)
-        guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
-        out = self._stateful(state, batch)
+            out = self._stateless(batch)
+        else:
+            state = jax.device_put(state, self._device)
+            guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
+            out = self._stateful(state, batch)
         del batch  # freed (µs) while a Ctrl-C is still held, not after the guard closes
         interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
+        # No call from here on (see Sink.__call__): the step's output and the data position
+        # reach the caller together.
+        feed.committed, feed.stepped = feed.pending_position, True
         if guarded:
             interrupt.GUARD.state = None
         return out
