@@ -114,8 +114,10 @@ class Compiler:
     later sinks of the same function. ``compiles`` counts what this compiler had to build.
     """
 
-    def __init__(self, fn: Any, name: str, save_graphs: str | os.PathLike[str] | None = None):
-        self.name = name
+    def __init__(
+        self, fn: Any, name: str | None = None, save_graphs: str | os.PathLike[str] | None = None
+    ):
+        self.name = name or getattr(fn, "__name__", type(fn).__name__).strip("<>")
         self.save_graphs = save_graphs
         self.compiles = 0
         try:

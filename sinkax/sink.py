@@ -183,8 +183,7 @@ class Sink:
         except ValueError:
             self._source.close()
             raise
-        name = getattr(fn, "__name__", type(fn).__name__).strip("<>")
-        self._compiler = Compiler(fn, name, save_graphs or context.graphs_folder())
+        self._compiler = Compiler(fn, save_graphs=save_graphs or context.graphs_folder())
         self._strategy: Any = None
         self._stateful: bool | None = None
         self._in_flight: tuple[Any, Any] | None = None
@@ -278,7 +277,7 @@ class Sink:
     def _strategy_for(self, stateful: bool) -> Any:
         if self._stateful is None:
             self._stateful = stateful
-            fn = self.fn if stateful else _stateless(self.fn)
+            fn = self.fn if stateful else stateless(self.fn)
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
@@ -401,11 +400,11 @@ class Sink:
         """
         spec = self._ring.first_spec(self.timeout)
         steps = min(self.steps_per_call, self._max_steps(spec))  # type: ignore[type-var]
-        stateless = state is _NO_STATE
-        fn = _stateless(self.fn) if stateless else self.fn
-        return Compiler.lower(
-            scan_program(fn, steps), () if stateless else state, spec.stacked(steps), 0
-        )
+        if state is _NO_STATE:
+            fn, state = stateless(self.fn), ()
+        else:
+            fn = self.fn
+        return Compiler.lower(scan_program(fn, steps), state, spec.stacked(steps), 0)
 
     @property
     def stats(self) -> SinkStats:
@@ -446,7 +445,7 @@ class Sink:
         self.close()
 
 
-def _stateless(fn: Callable[[Any], Any]) -> Callable[[Any, Any], tuple[Any, Any]]:
+def stateless(fn: Callable[[Any], Any]) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``fn(batch) -> out`` as a step over an empty state."""
     return lambda state, batch: (state, fn(batch))
 

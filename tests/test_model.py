@@ -270,6 +270,31 @@ def test_ctrl_c_anywhere_in_a_non_sink_step_keeps_the_state_and_every_batch():
             break
 
 
+@pytest.fixture
+def backend_compiles():
+    """The XLA compilations that happen while the test runs."""
+    compiles = []
+
+    def count(event, *_, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    yield compiles
+    jax.monitoring.unregister_event_duration_listener(count)
+
+
+@pytest.mark.parametrize("sink_mode", [True, False])
+def test_a_second_run_of_the_same_step_compiles_nothing(backend_compiles, sink_mode):
+    model = new_model(sink_options={"strategy": "scan"})
+    model.train(1, blobs(4), dataset_sink_mode=sink_mode)
+    model.eval(blobs(2, seed=1), dataset_sink_mode=sink_mode)
+    backend_compiles.clear()
+    model.train(2, blobs(4), dataset_sink_mode=sink_mode, initial_epoch=1)
+    model.eval(blobs(2, seed=1), dataset_sink_mode=sink_mode)
+    assert backend_compiles == []
+
+
 def test_helper_misuse_is_explained():
     step = make_train_step(linear, cross_entropy, OPTIMIZER)
     helper = DatasetHelper(blobs(2), epoch_num=1)

@@ -33,10 +33,11 @@ from typing import Any
 import jax
 
 from sinkax import context, interrupt
+from sinkax import strategy as strategies
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
-from sinkax.executable import single_step_program, with_leading_axis
-from sinkax.sink import _NO_STATE, Sink, SinkStats, data_sink
+from sinkax.executable import Compiler, with_leading_axis
+from sinkax.sink import _NO_STATE, Sink, SinkStats, data_sink, stateless
 
 
 class DatasetHelper:
@@ -247,34 +248,32 @@ def connect_network_with_dataset(
 
 
 class _HostNet:
-    """Non-sink mode: one (jitted) step on the batch the helper yielded, outputs stacked."""
+    """Non-sink mode: one step on the batch the helper yielded, its output stacked as a window of
+    one -- the ``"step"`` strategy (``"eager"`` without jit), whose executables every sink and
+    helper of the same step function share."""
 
     def __init__(self, fn: Callable[..., Any], feed: _HostFeed, options: dict[str, Any]):
-        jit = context.jit_enabled(options.get("jit"))
         self._feed = feed
         self._device = options.get("device") or context.default_device()
-
-        stateful = single_step_program(fn)
-
-        def stateless(batch: Any) -> Any:
-            return with_leading_axis(fn(batch))
-
-        # the leading axis is added inside the compiled step, not op by op on the host
-        self._stateful = jax.jit(stateful, donate_argnums=0) if jit else stateful
-        self._stateless = jax.jit(stateless) if jit else stateless
+        name = "step" if context.jit_enabled(options.get("jit")) else "eager"
+        self._stacked = strategies.takes_stacked_chunks(name)
+        compiler = Compiler(fn, save_graphs=options.get("save_graphs") or context.graphs_folder())
+        self._stateful = strategies.make(name, fn, compiler)
+        self._stateless = strategies.make(name, stateless(fn), compiler)
 
     def __call__(self, state: Any = _NO_STATE) -> Any:
         interrupt.deliver_held()
         feed = self._feed
         batch = jax.device_put(feed.take(), self._device)
+        window = with_leading_axis(batch) if self._stacked else (batch,)
         guarded = False
         if state is _NO_STATE:
-            out = self._stateless(batch)
+            out = self._stateless.run((), window, 0, 1)[1]
         else:
             state = jax.device_put(state, self._device)
             guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
-            out = self._stateful(state, batch)
-        del batch  # freed (µs) while a Ctrl-C is still held, not after the guard closes
+            out = self._stateful.run(state, window, 0, 1)
+        del batch, window  # freed (µs) while a Ctrl-C is still held, not after the guard closes
         interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
         # No call from here on (see Sink.__call__): the step's output and the data position
         # reach the caller together.

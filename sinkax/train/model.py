@@ -103,6 +103,8 @@ class Model:
             self._train_step = make_train_step(apply_fn, loss_fn, optimizer, **keys)
             self.state = TrainState.create(params, optimizer, opt_state)
         self._eval_step = make_eval_step(apply_fn, loss_fn, metrics=metrics, **keys)
+        # one bound method for every eval: compiled executables are cached by step function
+        self._eval_and_count = self._eval_and_count
         self._predict = jax.jit(apply_fn)
 
     def _eval_and_count(self, params: Any, batch: Any) -> tuple[Any, Any]:
