@@ -39,7 +39,7 @@ class _Guard:
     __slots__ = ("held", "previous", "state")
 
     def __init__(self) -> None:
-        self.state: Any = None  # the state a running call may donate; None outside a call
+        self.state: Any = None  # what a running call may donate, DISPATCHED once it has; or None
         self.held = False  # a Ctrl-C arrived after that state was donated
         self.previous: Any = None  # the handler ours replaced, and passes signals on to
 
@@ -51,8 +51,12 @@ def _donated(state: Any) -> bool:
     return any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
 
 
+DISPATCHED: Any = object()  # what a call stores in ``GUARD.state`` once its dispatch is done
+
+
 def _on_sigint(signum: int, frame: Any) -> None:
-    if GUARD.state is not None and _donated(GUARD.state):
+    state = GUARD.state
+    if state is DISPATCHED or (state is not None and _donated(state)):
         GUARD.held = True
     else:
         GUARD.previous(signum, frame)

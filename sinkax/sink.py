@@ -361,16 +361,20 @@ class Sink:
                 "step": piece.position.step,
                 "source": piece.source_state,
             }
-            self._returned = carry  # frees the last call's state, while a Ctrl-C is still held
+            # Every step has run: from here to the return a Ctrl-C is held, whatever the path,
+            # so that the results and the new data position reach the caller together. (This
+            # also drops the guarded state, so that its arrays are freed here, while held.)
+            guarded = interrupt.guard(interrupt.DISPATCHED)
+            self._returned = carry  # frees the last call's state, while a Ctrl-C is held
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException:
             if guarded:
                 interrupt.GUARD.state = None
             self._resync = bool(parts) and not self._ring.failed
             raise
-        # From here on nothing is called and nothing slow is freed, so no Ctrl-C can be raised
-        # (Python handles signals at calls and backward jumps): the new data position and the
-        # new state both reach the caller, or (before this point) neither does.
+        # From here on nothing is called and nothing slow is freed, so no Ctrl-C is handled
+        # (Python does that at calls and backward jumps) until the caller's own check after
+        # the return: the only window left, a few bytecodes long.
         self._committed = committed
         self._calls += 1
         self._busy_s += busy_s

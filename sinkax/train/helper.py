@@ -266,15 +266,21 @@ class _HostNet:
         feed = self._feed
         batch = jax.device_put(feed.take(), self._device)
         window = with_leading_axis(batch) if self._stacked else (batch,)
-        guarded = False
-        if state is _NO_STATE:
-            out = self._stateless.run((), window, 0, 1)[1]
-        else:
-            state = jax.device_put(state, self._device)
-            guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
-            out = self._stateful.run(state, window, 0, 1)
-        del batch, window  # freed (µs) while a Ctrl-C is still held, not after the guard closes
-        interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
+        guarded = False  # as in Sink.__call__
+        try:
+            if state is _NO_STATE:
+                out = self._stateless.run((), window, 0, 1)[1]
+            else:
+                state = jax.device_put(state, self._device)
+                guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
+                out = self._stateful.run(state, window, 0, 1)
+            guarded = interrupt.guard(interrupt.DISPATCHED)  # hold Ctrl-C to the return
+            del state, batch, window  # freed (µs) while a Ctrl-C is held, not after the guard
+            interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
+        except BaseException:
+            if guarded:
+                interrupt.GUARD.state = None
+            raise
         # No call from here on (see Sink.__call__): the step's output and the data position
         # reach the caller together.
         feed.committed, feed.stepped = feed.pending_position, True
