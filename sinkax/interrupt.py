@@ -5,7 +5,9 @@ that dispatch and before the call returns would lose both: the old state is gone
 never reaches the caller. While :func:`guard` is open, a Ctrl-C is passed on at once if the
 guarded state is still alive (nothing was donated yet: the call stops cleanly), and *held* once
 it has been donated: the call then finishes and returns, and the held signal goes to its handler
-at :func:`deliver_held` -- the start of the next call, or ``close()``.
+at :func:`deliver_held` -- the start of the next call, or ``close()``. Once its steps have run,
+every call guards :data:`DISPATCHED` (hold whatever comes) up to its return, so that its results
+and its new data position reach the caller together.
 
 :func:`guard` installs a SIGINT handler that passes every signal it does not hold to the handler
 it replaced (Python's ``default_int_handler``, a notebook kernel's, a user's), and puts itself
@@ -20,6 +22,8 @@ whole dispatch, here a few bytecodes long.
 >>> import jax.numpy as jnp
 >>> state = jnp.zeros(2)
 >>> guard(state)
+True
+>>> guard(DISPATCHED)  # the steps have run: hold any Ctrl-C
 True
 >>> GUARD.state = None  # what a call does last, a plain store: nothing can interrupt it
 >>> release()
