@@ -44,7 +44,7 @@ class _Guard:
 
     def __init__(self) -> None:
         self.state: Any = None  # what a running call may donate, DISPATCHED once it has; or None
-        self.held = False  # a Ctrl-C arrived after that state was donated
+        self.held = False  # a Ctrl-C arrived and was held, for deliver_held()
         self.previous: Any = None  # the handler ours replaced, and passes signals on to
 
 
@@ -55,7 +55,7 @@ def _donated(state: Any) -> bool:
     return any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
 
 
-DISPATCHED: Any = object()  # what a call stores in ``GUARD.state`` once its dispatch is done
+DISPATCHED: Any = object()  # guarded once a call's steps have run: hold any Ctrl-C
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -67,7 +67,8 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 def guard(state: Any) -> bool:
-    """Hold Ctrl-C once ``state`` is donated, until the caller stores ``GUARD.state = None``.
+    """Hold Ctrl-C once ``state`` is donated (at once for :data:`DISPATCHED`), until the caller
+    stores ``GUARD.state = None``.
 
     Returns whether the guard opened, and so whether that caller must close it: not off the main
     thread (another thread's call must not close the main thread's guard), nor where SIGINT has
