@@ -1,0 +1,42 @@
+"""What only a GPU can check; every test here skips without one.
+
+CI has no GPU, and no GPU was lent to the sessions that wrote these: they have never run. They
+are here so that the first run on a GPU machine (``make test`` there) checks the GPU path.
+"""
+
+import jax
+import numpy as np
+import pytest
+from conftest import init_state, reference_run, train_step
+
+import sinkax
+
+
+def gpus() -> list[jax.Device]:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:  # no GPU backend in this jaxlib, or no GPU
+        return []
+
+
+pytestmark = pytest.mark.skipif(not gpus(), reason="no GPU on this machine")
+
+
+@pytest.mark.parametrize("sink_size", [1, 4])
+def test_a_sink_on_the_gpu_matches_the_plain_loop(batches, sink_size):
+    gpu = gpus()[0]
+    state, losses = init_state(), []
+    with sinkax.data_sink(train_step, batches, sink_size, device=gpu, strategy="scan") as sink:
+        for _ in range(3):
+            state, loss = sink(state)
+            losses.append(np.asarray(loss))
+        assert sink.stats.chunks_transferred >= 1
+    assert all(leaf.devices() == {gpu} for leaf in jax.tree.leaves(state))
+    _, ref_losses = reference_run(batches, 3 * sink_size)  # jit on the default device, the GPU
+    np.testing.assert_allclose(np.concatenate(losses), ref_losses, rtol=1e-3, atol=1e-5)
+
+
+def test_one_step_sinks_on_a_gpu_run_the_scan_over_the_device_ring(batches):
+    with sinkax.data_sink(train_step, batches, 1, device=gpus()[0]) as sink:
+        sink(init_state())
+        assert sink.stats.strategy == "scan"  # "step" is for CPU devices, where it saves a copy
