@@ -49,6 +49,11 @@ def scan_program(fn: StepFn, steps: int, unroll: int = 1) -> Callable[..., tuple
     return run
 
 
+def stateless(fn: Callable[[Any], Any]) -> StepFn:
+    """``fn(batch) -> out`` as a step over an empty state: eval and predict steps."""
+    return lambda state, batch: (state, fn(batch))
+
+
 def with_leading_axis(tree: Any) -> Any:
     """Every leaf with a new leading axis of length one: one step's output, stacked."""
     return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)

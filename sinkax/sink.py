@@ -35,7 +35,7 @@ from sinkax import strategy as strategies
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
-from sinkax.executable import Compiler, concat_trees, copy_tree, scan_program
+from sinkax.executable import Compiler, concat_trees, copy_tree, scan_program, stateless
 from sinkax.spec import BatchSpec
 
 _NO_STATE: Any = object()
@@ -449,11 +449,6 @@ class Sink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def stateless(fn: Callable[[Any], Any]) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """``fn(batch) -> out`` as a step over an empty state."""
-    return lambda state, batch: (state, fn(batch))
 
 
 def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **options: Any) -> Sink:

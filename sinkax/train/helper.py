@@ -36,8 +36,8 @@ from sinkax import context, interrupt
 from sinkax import strategy as strategies
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
-from sinkax.executable import Compiler, with_leading_axis
-from sinkax.sink import _NO_STATE, Sink, SinkStats, data_sink, stateless
+from sinkax.executable import Compiler, stateless, with_leading_axis
+from sinkax.sink import _NO_STATE, Sink, SinkStats, data_sink
 
 
 class DatasetHelper:
@@ -255,7 +255,12 @@ class _HostNet:
     def __init__(self, fn: Callable[..., Any], feed: _HostFeed, options: dict[str, Any]):
         self._feed = feed
         self._device = options.get("device") or context.default_device()
-        name = "step" if context.jit_enabled(options.get("jit")) else "eager"
+        name = strategies.resolve(  # "step", or "eager" without jit
+            "step",
+            jit=context.jit_enabled(options.get("jit")),
+            steps_per_call=1,
+            platform=self._device.platform,
+        )
         self._stacked = strategies.takes_stacked_chunks(name)
         compiler = Compiler(fn, save_graphs=options.get("save_graphs") or context.graphs_folder())
         self._stateful = strategies.make(name, fn, compiler)
