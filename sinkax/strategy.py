@@ -15,11 +15,13 @@
 * ``"auto"``  -- times ``"scan"`` and ``"loop"`` on whole sinks (compile time excluded) and
   keeps the faster per step. The first :data:`MIN_TRIAL_S` of calls run untimed (the producer
   is still filling the ring then, which would bias whichever ran first); then the candidates
-  run in the order A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), stopping
-  after A, B when one is clearly faster (by :data:`CLEAR_MARGIN`). ``"scan"`` -- the loop sink
-  proper -- is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`. A sink of one-step
-  calls is not measured (see :func:`resolve`).
-  ``Sink.stats`` records the choice and the timings.
+  run in the order A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), each judged
+  by its best trial (noise only ever slows a trial down). ``"scan"`` -- the loop sink proper --
+  is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`; measuring stops after A, B
+  when ``"scan"`` is clearly faster (by :data:`CLEAR_MARGIN`), while a ``"loop"`` that looks
+  faster waits for the second round, which gives ``"scan"`` a second trial: one slow spell of a
+  shared machine during a scan trial does not decide. A sink of one-step calls is not measured (see
+  :func:`resolve`). ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
 window of ``steps`` batches of a chunk, starting at ``offset``: batches stacked on the device, or
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -206,8 +209,9 @@ class Auto:
     sinks are not judged on one noisy call.
     """
 
-    def __init__(self, candidates: list[Candidate]):
+    def __init__(self, candidates: list[Candidate], clock: Callable[[], float] = time.perf_counter):
         self._schedule = [candidates[0], *candidates, *reversed(candidates)]  # warm-up, A B B A
+        self._clock = clock
         self._trial = 0
         self._trial_s = self._trial_steps = 0.0
         self.chosen: Candidate | None = None
@@ -231,9 +235,9 @@ class Auto:
             return self.chosen.run(state, chunk, offset, steps)
         candidate = self.last = self._schedule[self._trial]
         candidate.prepare(state, chunk, offset, steps)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         state, outs = jax.block_until_ready(candidate.run(state, chunk, offset, steps))
-        self._trial_s += time.perf_counter() - t0
+        self._trial_s += self._clock() - t0
         self._trial_steps += steps
         if self._trial_s >= MIN_TRIAL_S:
             if self._trial > 0:  # the warm-up trial is not recorded
@@ -241,15 +245,17 @@ class Auto:
                 self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
             self._trial += 1
             self._trial_s = self._trial_steps = 0.0
-            times = sorted(self.timings.values())
-            clear = math.isfinite(times[-1]) and times[1] > CLEAR_MARGIN * times[0]
+            first, *others = self._schedule[1 : 1 + len(self.timings)]
+            rivals = [self.timings[c.name] for c in others]
+            clear = all(map(math.isfinite, rivals)) and (
+                min(rivals) > CLEAR_MARGIN * self.timings[first.name]
+            )
             if clear or self._trial == len(self._schedule):
-                self.chosen = self._fastest()
+                self.chosen = self._fastest(first, others)
         return state, outs
 
-    def _fastest(self) -> Candidate:
-        """The first candidate, unless another is faster by :data:`PREFER_MARGIN`."""
-        first, *others = self._schedule[1 : 1 + len(self.timings)]
+    def _fastest(self, first: Candidate, others: list[Candidate]) -> Candidate:
+        """``first``, unless another is faster by :data:`PREFER_MARGIN`."""
         best = min(others, key=lambda c: self.timings[c.name])
         if self.timings[best.name] * PREFER_MARGIN < self.timings[first.name]:
             return best

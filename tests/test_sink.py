@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -453,6 +454,46 @@ def test_strategy_choice_is_recorded(batches, monkeypatch):
     assert stats.bound in ("input", "compute")
     assert run_sink(batches, 5, 2, strategy="loop")[2].dispatches == 10
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
+
+
+class _Timed:
+    """A strategy candidate whose calls take ``costs[i]`` seconds per step on a fake clock."""
+
+    def __init__(self, name, costs, clock):
+        self.name, self.atomic, self._costs, self._clock = name, True, iter(costs), clock
+
+    def dispatches(self, steps):
+        return 1
+
+    def prepare(self, state, chunk, offset, steps):
+        pass
+
+    def run(self, state, chunk, offset, steps):
+        self._clock.now += next(self._costs) * steps
+        return state, None
+
+
+@pytest.mark.parametrize(
+    ("scan_costs", "loop_costs", "chosen", "trials_run"),
+    [
+        ([1, 1, 1], [2, 2], "scan", 3),  # scan clearly faster: stops after A, B
+        ([1, 4, 1, 1], [2, 2, 2], "scan", 5),  # a slow spell in scan's first trial: not decided
+        ([1, 3, 3, 3], [1, 1, 1], "loop", 5),  # loop faster in both rounds
+        ([1, 1.05, 1.05], [1, 1], "scan", 5),  # loop barely faster: the loop sink proper is kept
+    ],
+)
+def test_auto_keeps_scan_unless_loop_is_faster_in_both_rounds(
+    monkeypatch, scan_costs, loop_costs, chosen, trials_run
+):
+    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 1.0)  # one call of one step per trial
+    clock = types.SimpleNamespace(now=0.0)
+    scan, loop = _Timed("scan", scan_costs, clock), _Timed("loop", loop_costs, clock)
+    auto = sinkax.strategy.Auto([scan, loop], clock=lambda: clock.now)
+    calls = 0
+    while auto.chosen is None:
+        auto.run(None, None, 0, 1)
+        calls += 1
+    assert (auto.chosen.name, calls) == (chosen, trials_run)
 
 
 def test_auto_runs_one_step_calls_on_the_batches_as_given_on_cpu(batches):
