@@ -288,7 +288,7 @@ class Sink:
         """Wait for the last dispatched chunk's compute, then free its device slot.
 
         An unstacked ring's chunk owns no memory that the ring reuses (the batches were handed
-        over as they came), so its slot is freed without waiting.
+        over one by one), so its slot is freed without waiting.
         """
         if self._in_flight is None:
             return

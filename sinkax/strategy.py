@@ -7,10 +7,11 @@
   stays on the device. No per-step host data work, but one dispatch per step. On XLA:CPU some step
   functions (e.g. convolutions' weight gradients) only get the fast kernels outside a while-loop
   body; for those this beats ``"scan"``.
-* ``"step"``  -- one-step calls only: the compiled step runs on the batch as the dataset gave it,
-  which XLA takes at dispatch, as a plain jitted step does. On a CPU device the device memory is
-  host memory, so stacking batches into the ring first is one more copy -- memory-bound, in a
-  second thread that competes with XLA's compute threads for the cores.
+* ``"step"``  -- one-step calls only: the compiled step runs on one batch as the producer copied
+  it, unstacked, which XLA takes at dispatch, as a plain jitted step does. On a CPU device the
+  device memory is host memory, so stacking batches into a ring of chunks and slicing them out
+  again is more memory traffic, in a second thread that competes with XLA's compute threads for
+  the cores.
 * ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
 * ``"auto"``  -- times ``"scan"`` and ``"loop"`` on whole sinks (compile time excluded) and
   keeps the faster per step. The first :data:`MIN_TRIAL_S` of calls run untimed (the producer
@@ -25,7 +26,7 @@
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
 window of ``steps`` batches of a chunk, starting at ``offset``: batches stacked on the device, or
-for ``"step"``, a sequence of batches as they came (see :func:`takes_stacked_chunks`).
+for ``"step"``, a sequence of unstacked batches (see :func:`takes_stacked_chunks`).
 
 >>> import jax.numpy as jnp
 >>> from sinkax.executable import Compiler
@@ -291,7 +292,7 @@ def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) 
 
 def takes_stacked_chunks(name: str) -> bool:
     """Whether the strategy ``name`` runs on batches stacked on the device (the ring's copy), or,
-    for ``"step"``, on a sequence of batches as the dataset gave them."""
+    for ``"step"``, on a sequence of unstacked batches."""
     return name != "step"
 
 

@@ -25,8 +25,6 @@ from conftest import (
 )
 
 import sinkax
-from sinkax.channel.ring import DeviceRing
-from sinkax.channel.source import as_source
 
 
 def run_sink(batches, sink_size, calls, step=None, **options):
@@ -506,24 +504,32 @@ def test_auto_runs_one_step_calls_on_the_batches_as_given_on_cpu(batches):
     assert stats.compiles == 1 and stats.dispatches == 2  # neither scan nor loop was built
 
 
-def test_one_step_calls_get_the_datasets_own_arrays_without_a_copy(batches):
-    # an unstacked ring checks the batches and hands them over as they are: no staging copy
-    ring = DeviceRing(
-        as_source(batches),
-        plan=lambda spec, position: itertools.repeat([(1, True)] * 4),
-        prefetch=1,
-        device=jax.devices()[0],
-        stack=False,
-    )
-    handed = []
-    try:
-        while len(handed) < 15:  # across an epoch's end
-            handed.extend(ring.get(timeout=10.0).data)
-            ring.release()
-    finally:
-        ring.close(timeout=10.0)
-    expected = [batches[i % len(batches)] for i in range(len(handed))]
-    assert all(h[k] is e[k] for h, e in zip(handed, expected, strict=True) for k in e)
+class _RefillsOneBuffer:
+    """A loader that refills one numpy buffer in place and yields it again for every batch."""
+
+    def __len__(self):
+        return 6
+
+    def __iter__(self):
+        buffer = {"i": np.zeros(1, np.int32)}
+        for k in range(6):
+            buffer["i"][0] = k
+            yield buffer
+
+
+@pytest.mark.parametrize(("sink_size", "strategy"), [(1, "auto"), (1, "scan"), (2, "loop")])
+def test_a_dataset_may_refill_the_arrays_it_yielded(sink_size, strategy):
+    # the producer reads ahead: it must own what it holds (one-step calls on CPU take "step")
+    def count(total, batch):
+        return total + 1, batch["i"][0]
+
+    seen = []
+    with sinkax.data_sink(count, _RefillsOneBuffer(), sink_size, strategy=strategy) as sink:
+        total = np.int32(0)
+        for _ in range(12 // sink_size):
+            total, outs = sink(total)
+            seen += outs.tolist()
+    assert seen == [0, 1, 2, 3, 4, 5] * 2
 
 
 def test_step_strategy_needs_one_step_calls(batches):

@@ -14,8 +14,9 @@ them as device buffers without a copy (``device_put`` aliases aligned host memor
 slot *is* the device memory; on GPU ``device_put`` copies from it.
 
 With ``stack=False`` (the ``"step"`` strategy's one-step calls on CPU) the producer checks the
-batches and hands them over as they came, a chunk being a tuple of them: no staging, no copy;
-the executable takes each batch at dispatch, as a plain jitted step does.
+batches, copies each leaf (a dataset may refill the arrays it yielded once it runs again, and
+the producer reads ahead) and hands them over unstacked, a chunk being a tuple of them: no
+staging ring; the executable takes each batch at dispatch, as a plain jitted step does.
 
 The producer follows a plan: an endless sequence of chunk layouts, each a list of
 ``(steps, ends_call)`` pieces -- several whole sink calls grouped into one chunk (one transfer
@@ -219,8 +220,9 @@ class DeviceRing:
                     if self.stack:
                         for buffer, leaf in zip(staging, leaves, strict=True):
                             buffer[filled] = leaf
-                    else:
-                        batches.append(jax.tree_util.tree_unflatten(spec.treedef, leaves))
+                    else:  # own copies: the dataset may refill its arrays when it runs again
+                        copies = [np.array(leaf) for leaf in leaves]
+                        batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
                     filled += 1
                     if self._stop.is_set():
                         raise _Stopped
