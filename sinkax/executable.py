@@ -82,6 +82,44 @@ def step_program(fn: StepFn) -> Callable[..., Any]:
     return step
 
 
+def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[Any]:
+    """The dtype of each leaf of ``state`` with which ``fn`` returns the state as it takes it.
+
+    The rule of ``lax.scan``'s carry: a weakly typed leaf (from a Python number) takes the
+    dtype ``fn`` gives it; any other change of structure, shape or dtype is an error naming the
+    leaf, as a sink runs one compiled step on the state the last one returned.
+
+    >>> carry_dtypes(lambda s, b: (s + b, b), 0, jnp.float32(1))
+    [dtype('float32')]
+    """
+    out = jax.eval_shape(fn, state, batch)[0]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    out_leaves, out_treedef = jax.tree.flatten(out)
+    if out_treedef != treedef:
+        raise TypeError(
+            f"The step function returns the state with structure {out_treedef}, but was given "
+            f"{treedef}. {_SAME_LAYOUT}"
+        )
+    dtypes = []
+    for (path, leaf), returned in zip(flat, out_leaves, strict=True):
+        given = jax.typeof(leaf)
+        if given.shape != returned.shape or not (given.dtype == returned.dtype or given.weak_type):
+            raise TypeError(
+                f"The step function returns state leaf {jax.tree_util.keystr(path) or '<root>'} "
+                f"as {returned.dtype}{list(returned.shape)}, but was given "
+                f"{given.dtype}{list(given.shape)}. {_SAME_LAYOUT}"
+            )
+        dtypes.append(returned.dtype)
+    return dtypes
+
+
+_SAME_LAYOUT = (
+    "A sink runs one compiled step on the state the last step returned: return the state with "
+    "the structure, shapes and dtypes it came in with (cast in the step, or start from a state "
+    "of the dtypes it returns)."
+)
+
+
 @jax.jit
 def copy_tree(tree: Any) -> Any:
     """A fresh copy of every leaf, in one dispatch: what a donating call may consume while the
@@ -103,8 +141,11 @@ def concat_trees(trees: list[Any]) -> Any:
 def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     """Tree structure and abstract value of every leaf: what an executable is specialised to."""
     leaves, treedef = jax.tree.flatten(tree)
-    # .aval is a cheap attribute read; this runs on every call of a sink
-    return treedef, tuple(x.aval if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves)
+    # .aval and .sharding are cheap attribute reads; this runs on every call of a sink. An
+    # executable is compiled for its arguments' devices, so they are part of the layout.
+    return treedef, tuple(
+        (x.aval, x.sharding) if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves
+    )
 
 
 # Executables by step function, shared by every sink of that function (a new sink over the same

@@ -35,7 +35,15 @@ from sinkax import strategy as strategies
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
-from sinkax.executable import Compiler, concat_trees, copy_tree, scan_program, stateless
+from sinkax.executable import (
+    Compiler,
+    carry_dtypes,
+    concat_trees,
+    copy_tree,
+    layout,
+    scan_program,
+    stateless,
+)
 from sinkax.spec import BatchSpec
 
 _NO_STATE: Any = object()
@@ -385,10 +393,21 @@ class Sink:
         return (carry, outs) if stateful else outs
 
     def _on_device(self, state: Any) -> Any:
-        """``state`` on the sink's device; free for the state the last call returned."""
+        """``state`` on the sink's device, its weakly typed leaves (Python numbers) given the
+        dtypes the step returns them with (see :func:`carry_dtypes`); free for the state the
+        last call returned."""
         if state is self._returned:
             return state
-        return jax.device_put(state, self.device)
+        state = jax.device_put(state, self.device)
+        if not self.jit:
+            return state
+        batch = self._ring.first_spec(self.timeout).abstract
+        dtypes = self._compiler.memo(
+            ("carry", layout((state, batch))), lambda: carry_dtypes(self.fn, state, batch)
+        )
+        leaves, treedef = jax.tree.flatten(state)
+        casts = [x if x.dtype == d else x.astype(d) for x, d in zip(leaves, dtypes, strict=True)]
+        return jax.tree.unflatten(treedef, casts)
 
     def _current_chunk(self) -> Chunk:
         """The chunk holding the next piece, taking the next one when this is used up."""

@@ -64,6 +64,11 @@ class BatchSpec:
             for s, d in zip(self.shapes, self.dtypes, strict=True)
         ]
 
+    @property
+    def abstract(self) -> Any:
+        """Abstract pytree (``jax.ShapeDtypeStruct``) of one batch, on the device."""
+        return jax.tree_util.tree_unflatten(self.treedef, self.device_leaves)
+
     def stacked(self, steps: int) -> Any:
         """Abstract pytree (``jax.ShapeDtypeStruct``) of ``steps`` batches stacked, on device."""
         leaves = [jax.ShapeDtypeStruct((steps, *x.shape), x.dtype) for x in self.device_leaves]

@@ -6,6 +6,8 @@ import functools
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -530,6 +532,72 @@ def test_a_dataset_may_refill_the_arrays_it_yielded(sink_size, strategy):
             total, outs = sink(total)
             seen += outs.tolist()
     assert seen == [0, 1, 2, 3, 4, 5] * 2
+
+
+def _counted(total, batch):  # a Python-number state becomes float32 in the first step
+    return total + batch["x"].sum(), batch["x"].sum()
+
+
+def _totals(batches, sink_size, **options):
+    """Totals after each call, the state reset to the Python number 0 every third call."""
+    totals = []
+    with sinkax.data_sink(_counted, batches * 60, sink_size, **options) as sink:
+        for _ in range(8):
+            total, _ = sink(0)  # weakly typed int32: the step makes it float32
+            for _ in range(2):
+                total, _ = sink(total)
+                assert total.dtype == jnp.float32
+                totals.append(float(total))  # a copy: the next call donates `total`
+    return np.array(totals)
+
+
+@pytest.mark.parametrize(
+    ("sink_size", "strategy"), [(1, "auto"), (3, "scan"), (3, "loop"), (4, "auto")]
+)
+def test_a_state_of_python_numbers_takes_the_dtypes_the_step_gives_it(
+    batches, monkeypatch, sink_size, strategy
+):
+    # the rule of lax.scan's carry; resets fall mid-chunk, as an eval sum's would
+    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 0.0)  # auto: scan and loop both run
+    eager = _totals(batches, sink_size, jit=False)
+    np.testing.assert_allclose(_totals(batches, sink_size, strategy=strategy), eager, atol=1e-4)
+
+
+def test_a_step_that_changes_the_states_dtype_is_refused_by_name(batches):
+    def count(state, batch):
+        return {"count": state["count"] + batch["x"].sum()}, 0
+
+    unwrapped = sinkax.data_sink(lambda s, b: (s["count"], 0), batches, 2)
+    with unwrapped, pytest.raises(TypeError, match=r"returns the state with structure"):
+        unwrapped({"count": jnp.int32(0)})
+    state = {"count": jnp.int32(0)}
+    with sinkax.data_sink(count, batches, 2) as sink:
+        with pytest.raises(TypeError, match=r"leaf \['count'\] as float32\[\], but was given int"):
+            sink(state)
+        assert sink.step == 0 and int(state["count"]) == 0  # nothing consumed, state intact
+        sink({"count": jnp.float32(0)})
+        assert sink.step == 2
+
+
+def test_a_step_function_runs_on_several_devices(tmp_path):
+    # executables are compiled for their arguments' devices: one per device, not one for all
+    script = tmp_path / "devices.py"
+    script.write_text(
+        "import numpy as np, jax, sinkax\n"
+        "data = [{'x': np.float32(k)} for k in range(6)]\n"
+        "def step(s, b):\n    return s + b['x'], s\n"
+        "for device in jax.devices() * 2:\n"
+        "    with sinkax.data_sink(step, data, 3, device=device) as sink:\n"
+        "        state, _ = sink(np.float32(0))\n"
+        "        assert state.devices() == {device} and float(state) == 3.0\n"
+        "print(len(jax.devices()), 'devices')\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 devices" in result.stdout
 
 
 def test_step_strategy_needs_one_step_calls(batches):
