@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -128,6 +129,19 @@ def plan_chunks(
             chunk, filled = [], 0
 
 
+def chunk_steps(max_chunk_bytes: int, spec: BatchSpec) -> int:
+    """Batches of layout ``spec`` that fit in ``max_chunk_bytes`` (at least one)."""
+    return max(1, max_chunk_bytes // max(1, spec.nbytes))
+
+
+def plan(
+    sink_size: int, epoch_length: int | None, max_chunk_bytes: int, spec: BatchSpec, start: Position
+) -> Iterator[list[tuple[int, bool]]]:
+    """The chunk layouts of a sink's calls from position ``start`` on (see :func:`plan_chunks`)."""
+    calls = call_sizes(sink_size, epoch_length, start.step)
+    return plan_chunks(calls, chunk_steps(max_chunk_bytes, spec))
+
+
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
     if (
         isinstance(sink_size, bool)
@@ -208,17 +222,11 @@ class Sink:
         self._start_ring()
 
     # -- data channel --------------------------------------------------------------------
-    def _max_steps(self, spec: BatchSpec) -> int:
-        return max(1, self.max_chunk_bytes // max(1, spec.nbytes))
-
-    def _plan(self, spec: BatchSpec, start: Position) -> Iterator[list[tuple[int, bool]]]:
-        calls = call_sizes(self.sink_size, self._source.epoch_length, start.step)
-        return plan_chunks(calls, self._max_steps(spec))
-
     def _start_ring(self) -> None:
         self._ring = DeviceRing(
             self._source,
-            self._plan,
+            # the plan holds no reference to the sink: an unclosed sink can still be collected
+            functools.partial(plan, self.sink_size, self.epoch_length, self.max_chunk_bytes),
             prefetch=self.prefetch,
             device=self.device,
             stack=strategies.takes_stacked_chunks(self._strategy_name),
@@ -424,7 +432,7 @@ class Sink:
         stateless sink. Waits for the first batch to learn the batch layout.
         """
         spec = self._ring.first_spec(self.timeout)
-        steps = min(self.steps_per_call, self._max_steps(spec))  # type: ignore[type-var]
+        steps = min(self.steps_per_call, chunk_steps(self.max_chunk_bytes, spec))  # type: ignore[type-var]
         if state is _NO_STATE:
             fn, state = stateless(self.fn), ()
         else:

@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import functools
+import gc
 import itertools
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -416,6 +418,19 @@ def test_close_leaves_no_thread_and_blocks_further_calls(batches):
     assert set(threading.enumerate()) - before == set()
     with pytest.raises(sinkax.SinkClosedError):
         sink(init_state())
+
+
+def test_a_sink_nobody_closed_stops_its_producer_when_collected(batches):
+    before = set(threading.enumerate())
+    sink = sinkax.data_sink(train_step, batches, 3)
+    sink(init_state())
+    collected = weakref.ref(sink)
+    del sink
+    gc.collect()
+    assert collected() is None  # the producer thread holds nothing that reaches the sink
+    for thread in set(threading.enumerate()) - before:
+        thread.join(timeout=10.0)
+    assert set(threading.enumerate()) - before == set()
 
 
 def test_at_most_prefetch_plus_one_chunks_on_the_device():
