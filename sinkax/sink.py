@@ -34,7 +34,7 @@ import jax
 from sinkax import context, interrupt
 from sinkax import strategy as strategies
 from sinkax.channel.ring import Chunk, DeviceRing
-from sinkax.channel.source import Position, as_source, snapshot
+from sinkax.channel.source import Position, Source, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
 from sinkax.executable import (
     Compiler,
@@ -142,6 +142,23 @@ def plan(
     return plan_chunks(calls, chunk_steps(max_chunk_bytes, spec))
 
 
+def move_to(source: Source, data_state: Any) -> None:
+    """Set ``source`` to a position saved by :meth:`Sink.data_state`; ``ValueError`` if it does
+    not fit."""
+    if not (isinstance(data_state, dict) and {"epoch", "step", "source"} <= data_state.keys()):
+        raise ValueError(
+            "data_state must be what Sink.data_state() returned, a dict with 'epoch', 'step' "
+            f"and 'source'; got {data_state!r:.200}."
+        )
+    try:
+        source.set_state(data_state["source"])
+    except Exception as error:
+        raise ValueError(
+            f"This data_state does not fit the dataset ({type(error).__name__}: {error}). Give "
+            "what Sink.data_state() returned for a sink over the same dataset."
+        ) from error
+
+
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
     if (
         isinstance(sink_size, bool)
@@ -217,7 +234,11 @@ class Sink:
         self._steps = self._calls = self._dispatches = 0
         self._data_wait_s = self._busy_s = 0.0
         if data_state is not None:
-            self._source.set_state(data_state["source"])
+            try:
+                move_to(self._source, data_state)
+            except ValueError:
+                self._source.close()
+                raise
         self._committed = snapshot(self._source)
         self._start_ring()
 
@@ -264,7 +285,13 @@ class Sink:
                 self._stuck_producer("rewinding the data")
                 + " Call again once it has returned, or create a new sink."
             )
-        self._source.set_state(state["source"])
+        try:
+            move_to(self._source, state)
+        except ValueError:  # the sink stays where it was, its producer running
+            with contextlib.suppress(Exception):
+                self._source.set_state(self._committed["source"])
+            self._start_ring()
+            raise
         self._committed = snapshot(self._source)
         self._resync = False
         self._start_ring()

@@ -197,6 +197,71 @@ def test_unknown_strategy_is_a_value_error(batches):
         sinkax.data_sink(train_step, batches, 2, strategy="fast")
 
 
+def _indices(dataset, sink_size, calls, bad_state):
+    """Indices seen over ``calls`` calls, trying to restore ``bad_state`` after the first."""
+    seen = []
+    with sinkax.data_sink(collect_index, dataset, sink_size) as sink:
+        for call in range(calls):
+            seen += np.asarray(sink(jnp.int32(0))[1]).ravel().tolist()
+            if call == 0:
+                with pytest.raises(ValueError, match="data_state"):
+                    sink.restore_data_state(bad_state)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "bad_state",
+    [
+        {},  # not a data_state at all
+        {"epoch": 0, "step": 1, "source": {"epoch": 0, "step": 1}},  # a list's, for a grain one
+        {"epoch": 0, "step": 1, "source": {"next_index": -3}},
+        {"epoch": 0, "step": 1, "source": {"next_index": "x"}},
+    ],
+)
+def test_a_data_state_that_does_not_fit_is_refused_and_loses_nothing(bad_state):
+    dataset = indexed_map_dataset(40, 4, seed=None)
+    expected = list(range(40)) + list(range(8))
+    assert _indices(dataset, 4, 3, bad_state) == expected  # 12 batches of 4
+
+
+def test_a_list_refuses_a_grain_data_state_and_loses_nothing():
+    dataset = [{"index": np.array([i], np.int32)} for i in range(6)]
+    seen = _indices(dataset, 2, 5, {"epoch": 0, "step": "x", "source": {"next_index": 2}})
+    assert seen == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
+
+
+def test_a_generator_fails_at_its_second_epoch_with_the_fix():
+    batches = ({"index": np.array([i], np.int32)} for i in range(4))
+    with sinkax.data_sink(collect_index, batches, 2) as sink:
+        sink(jnp.int32(0))
+        sink(jnp.int32(0))
+        with pytest.raises(ValueError, match=r"one-shot iterator.*re-iterable"):
+            sink(jnp.int32(0))
+
+
+def test_an_iterable_whose_iter_restarts_itself_runs_every_epoch():
+    class Restarts:  # __iter__ rewinds and returns self: a new pass every time
+        def __iter__(self):
+            self.i = 0
+            return self
+
+        def __next__(self):
+            if self.i == 3:
+                raise StopIteration
+            self.i += 1
+            return {"index": np.array([self.i - 1], np.int32)}
+
+    with sinkax.data_sink(collect_index, Restarts(), 2) as sink:
+        seen = [i for _ in range(3) for i in np.asarray(sink(jnp.int32(0))[1]).ravel()]
+    assert seen == [0, 1, 2, 0, 1, 2]
+
+
+def test_an_empty_dataset_says_so():
+    sink = sinkax.data_sink(collect_index, iter([]), 2)
+    with sink, pytest.raises(ValueError, match="yielded no batch: it is empty"):
+        sink(jnp.int32(0))
+
+
 def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):
     ragged = [*batches[:5], {"x": batches[5]["x"][:3], "y": batches[5]["y"][:3]}]
     state = init_state()

@@ -59,6 +59,23 @@ def _empty_error(dataset: Any) -> ValueError:
     return ValueError(f"The dataset {type(dataset).__name__} yielded no batch: it is empty.")
 
 
+def _empty_pass_error(dataset: Any, epoch: int) -> ValueError:
+    return ValueError(
+        f"The dataset {type(dataset).__name__} yielded no batch when iterated again (epoch "
+        f"{epoch}): it is a one-shot iterator, such as a generator, or its pass was empty. Each "
+        "epoch needs a new pass: give a re-iterable (a list, a grain MapDataset/IterDataset/"
+        "DataLoader, or an object whose __iter__ starts a new pass)."
+    )
+
+
+def _check_position(state: dict[str, Any]) -> tuple[int, int]:
+    epoch, step = state["epoch"], state["step"]
+    for name, value in (("epoch", epoch), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}.")
+    return epoch, step
+
+
 # The sink's producer thread already runs the pipeline off the training thread, so by default
 # grain reads in that thread (grain's own default is 16 threads and a 500-element buffer, which
 # only adds hand-off costs for batch-level pipelines). Pass ReadOptions(num_threads=N) for
@@ -93,10 +110,13 @@ class MapDatasetSource:
         return {"next_index": self._next_index}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        index = state["next_index"]
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"next_index must be an int >= 0, got {index!r}.")
         self.close()
         self._iterator = iter(self._iterable)
-        self._iterator.set_state({"next_index": state["next_index"]})
-        self._next_index = state["next_index"]
+        self._iterator.set_state({"next_index": index})
+        self._next_index = index
 
     def close(self) -> None:
         self._iterator.close()
@@ -116,6 +136,7 @@ class IterableSource:
             raise _empty_error(dataset)
         self._dataset = dataset
         self._iterator: Iterator[Any] = iter(dataset)
+        self._passes = 1  # iterators made: a one-shot iterator yields nothing after the first
         self._pass_done = False
         self.position = Position(0, 0)
 
@@ -126,29 +147,28 @@ class IterableSource:
             batch = next(self._iterator)
         except StopIteration:
             if self.position.step == 0:
-                raise _empty_error(self._dataset) from None
+                raise self._no_batch_error() from None
             self._restart_epoch(self.position.epoch + 1)
             try:
                 batch = next(self._iterator)
             except StopIteration:
-                raise _empty_error(self._dataset) from None
+                raise self._no_batch_error() from None
         self.position = Position(self.position.epoch, self.position.step + 1)
         if self.position.step == self.epoch_length:  # the next batch starts the next epoch
             self.position = Position(self.position.epoch + 1, 0)
             self._pass_done = True
         return batch
 
+    def _no_batch_error(self) -> ValueError:
+        if self._passes == 1 and self.position.epoch == 0:
+            return _empty_error(self._dataset)
+        return _empty_pass_error(self._dataset, self.position.epoch)
+
     def _restart_epoch(self, epoch: int) -> None:
         self.close()
         self._pass_done = False
         self._iterator = iter(self._dataset)
-        if self._iterator is self._dataset:
-            raise ValueError(
-                f"The dataset {type(self._dataset).__name__} is a one-shot iterator, so it cannot "
-                "be traversed again for the next epoch. Pass a re-iterable instead (a list, a "
-                "grain "
-                "MapDataset/IterDataset/DataLoader, or an object whose __iter__ starts a new pass)."
-            )
+        self._passes += 1
         self.position = Position(epoch, 0)
 
     def get_state(self) -> dict[str, Any]:
@@ -158,15 +178,13 @@ class IterableSource:
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.close()
-        self._pass_done = False
-        self._iterator = iter(self._dataset)
-        self.position = Position(state["epoch"], 0)
+        epoch, step = _check_position(state)
+        self._restart_epoch(epoch)
         if "iterator" in state and hasattr(self._iterator, "set_state"):
             self._iterator.set_state(state["iterator"])
-            self.position = Position(state["epoch"], state["step"])
+            self.position = Position(epoch, step)
         else:  # no checkpointable iterator: replay this epoch up to the saved step
-            for _ in range(state["step"]):
+            for _ in range(step):
                 next(self)
 
     def close(self) -> None:
