@@ -14,6 +14,7 @@ import time
 import types
 import weakref
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,6 +261,35 @@ def test_an_empty_dataset_says_so():
     sink = sinkax.data_sink(collect_index, iter([]), 2)
     with sink, pytest.raises(ValueError, match="yielded no batch: it is empty"):
         sink(jnp.int32(0))
+
+
+def _evens(n):
+    return (
+        grain.MapDataset.range(n)
+        .filter(lambda i: i % 2 == 0)
+        .map(lambda i: {"index": np.array([i], np.int32)})
+    )
+
+
+def test_a_filtering_map_dataset_is_refused_at_its_first_skip():
+    # its len() counts the filtered elements: epochs and positions would be wrong
+    with sinkax.data_sink(collect_index, _evens(8), 1) as sink:
+        assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == [0]
+        with pytest.raises(ValueError, match=r"skipped 1 element.*to_iter_dataset\(\)"):
+            sink(jnp.int32(0))
+        assert (sink.epoch, sink.step) == (0, 1)
+
+
+def test_a_filtered_iter_dataset_counts_epochs_as_it_goes_and_resumes_exactly():
+    dataset = _evens(8).to_iter_dataset()
+    with sinkax.data_sink(collect_index, dataset, 3) as sink:
+        first = np.asarray(sink(jnp.int32(0))[1]).ravel().tolist()
+        saved = sink.data_state()
+        second = np.asarray(sink(jnp.int32(0))[1]).ravel().tolist()
+        assert (sink.epoch, sink.step) == (1, 2)
+    with sinkax.data_sink(collect_index, dataset, 3, data_state=saved) as sink:
+        assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == second
+    assert first + second == [0, 2, 4, 6, 0, 2]
 
 
 def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):

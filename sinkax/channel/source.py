@@ -4,7 +4,8 @@ A source knows where it is (epoch, step within the epoch) and can save and resto
 so a sink restored from a checkpoint continues with exactly the next batch.
 
 * a grain ``MapDataset`` is read as ``dataset.repeat(None)`` (grain reshuffles every epoch) through
-  grain's own checkpointable iterator: restoring is exact and costs nothing;
+  grain's own checkpointable iterator: restoring is exact and costs nothing. Its ``len()`` is
+  the batches per epoch, so one that filters elements out is refused at the first skip;
 * any other re-iterable (grain ``IterDataset`` or ``DataLoader``, a list, a generator factory) is
   iterated once per epoch; its iterator's ``get_state``/``set_state`` is used when it has one,
   otherwise a restore replays the epoch from its start up to the saved step.
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import grain
+from grain.experimental import get_next_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,15 @@ class MapDatasetSource:
 
     def __next__(self) -> Any:
         batch = next(self._iterator)
+        skipped = get_next_index(self._iterator) - self._next_index - 1
+        if skipped:
+            raise ValueError(
+                f"The grain MapDataset skipped {skipped} element(s) before its batch at "
+                f"{self.position}: it filters (a `filter`, or a map that returned None), so its "
+                "len() counts elements that never arrive, and sinkax can neither count batches "
+                "per epoch nor resume exactly. Pass `dataset.to_iter_dataset()` instead: its "
+                "epochs are its passes, counted as they go (use sink_size > 0)."
+            )
         self._next_index += 1
         return batch
 
