@@ -368,8 +368,10 @@ class Sink:
 
         ``outs`` stacks every step's output on a leading axis. The state is donated: use the
         returned one. If the call fails or is interrupted, the state passed in stays valid and
-        the data position does not move; a Ctrl-C that comes once the state is donated is held
-        until the next call (or ``close()``), which it stops before anything runs.
+        the data position does not move -- except that an error the compiled steps raise while
+        they run consumes the donated state, as in any donating ``jax.jit``. A Ctrl-C that
+        comes once the state is donated is held until the next call (or ``close()``), which it
+        stops before anything runs.
         """
         self._check_open()
         interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first

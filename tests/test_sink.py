@@ -5,6 +5,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -290,6 +291,26 @@ def test_a_filtered_iter_dataset_counts_epochs_as_it_goes_and_resumes_exactly():
     with sinkax.data_sink(collect_index, dataset, 3, data_state=saved) as sink:
         assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == second
     assert first + second == [0, 2, 4, 6, 0, 2]
+
+
+class _AsIndex(grain.transforms.Map):
+    def map(self, element):
+        return {"index": np.array([element], np.int32)}
+
+
+def test_a_data_loaders_position_is_json_and_resumes_exactly():
+    loader = grain.DataLoader(
+        data_source=list(range(6)),
+        sampler=grain.samplers.IndexSampler(6, num_epochs=1, shuffle=False, seed=0),
+        operations=[_AsIndex()],
+        worker_count=0,
+    )
+    with sinkax.data_sink(collect_index, loader, 4) as sink:
+        sink(jnp.int32(0))
+        saved = json.loads(json.dumps(sink.data_state()))  # e.g. into a checkpoint
+        expected = np.asarray(sink(jnp.int32(0))[1]).ravel().tolist()
+    with sinkax.data_sink(collect_index, loader, 4, data_state=saved) as sink:
+        assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == expected == [4, 5, 0, 1]
 
 
 def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):

@@ -17,6 +17,7 @@ so a sink restored from a checkpoint continues with exactly the next batch.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import sys
 from collections.abc import Iterable, Iterator
@@ -185,14 +186,21 @@ class IterableSource:
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.position.epoch, "step": self.position.step}
         if hasattr(self._iterator, "get_state") and not self._pass_done:
-            state["iterator"] = self._iterator.get_state()
+            saved = self._iterator.get_state()
+            if isinstance(saved, bytes):  # a grain DataLoader's: kept JSON-friendly
+                state["iterator_base64"] = base64.b64encode(saved).decode("ascii")
+            else:
+                state["iterator"] = saved
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         epoch, step = _check_position(state)
         self._restart_epoch(epoch)
-        if "iterator" in state and hasattr(self._iterator, "set_state"):
-            self._iterator.set_state(state["iterator"])
+        saved = state.get("iterator")
+        if "iterator_base64" in state:
+            saved = base64.b64decode(state["iterator_base64"])
+        if saved is not None and hasattr(self._iterator, "set_state"):
+            self._iterator.set_state(saved)
             self.position = Position(epoch, step)
         else:  # no checkpointable iterator: replay this epoch up to the saved step
             for _ in range(step):
