@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import grain
@@ -21,6 +22,7 @@ import sinkax
 from sinkax.train import (
     Callback,
     DatasetHelper,
+    EvalCallback,
     History,
     Model,
     ModelCheckpoint,
@@ -455,6 +457,55 @@ def test_resuming_a_different_model_is_refused_before_restoring(tmp_path):
     adam = Model(linear, init_params(), cross_entropy, optax.adam(1e-3))
     with pytest.raises(ValueError, match="different model"):
         adam.restore(tmp_path)
+
+
+def test_a_resume_that_fails_its_checks_leaves_the_model_as_it_was(tmp_path):
+    new_model().train(4, blobs(2), callbacks=ModelCheckpoint(tmp_path))  # up to epoch 4
+    model = new_model()
+    before = jax.device_get(model.state)
+    with pytest.raises(ValueError, match="initial_epoch=4"):
+        model.train(3, blobs(2), resume_from=tmp_path)
+    assert_trees_equal(model.state, before)
+
+
+@pytest.mark.parametrize("options", [{"sink_size": 1}, SCAN, {"dataset_sink_mode": False}])
+def test_training_leaves_the_callers_arrays_alone(options):
+    params = init_params()
+    sink_options = options.get("sink_options", {"strategy": "loop"})
+    model = Model(linear, params, cross_entropy, OPTIMIZER, sink_options=sink_options)
+    before = model.params
+    train_options = {k: v for k, v in options.items() if k != "sink_options"}
+    model.train(2, blobs(3), **train_options)
+    assert_trees_equal(params, init_params())  # neither deleted nor changed
+    assert_trees_equal(before, init_params())
+    assert not jnp.allclose(model.params["w"], 0.0)
+
+
+class _FailsInEpoch:
+    """``batches`` per epoch; raises OSError at the start of epoch ``fail``."""
+
+    def __init__(self, batches, fail):
+        self.batches, self.fail, self.epoch = batches, fail, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        self.epoch += 1
+        if self.epoch == self.fail:
+            raise OSError("disk gone")
+        return iter(self.batches)
+
+
+def test_a_failed_run_keeps_its_last_checkpoint_and_leaves_no_thread(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path)
+    evaluate = EvalCallback(blobs(2), verbose=False)
+    with pytest.raises(OSError, match="disk gone"):
+        new_model().train(5, _FailsInEpoch(blobs(3), fail=3), [checkpoint, evaluate])
+    # at once, without waiting: the write of epoch 2 has finished, the eval sink is closed
+    assert sorted(os.listdir(tmp_path)) == ["3", "6"]
+    assert [t for t in threading.enumerate() if t.name == "sinkax-producer"] == []
+    assert set(evaluate.results) == {1, 2}
 
 
 def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):

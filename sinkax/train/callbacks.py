@@ -36,6 +36,8 @@ class RunContext:
     ``epoch`` counts from 1 as MindSpore prints it; ``step`` is the global number of steps done
     (it continues across resumed runs); ``step_in_epoch`` the steps done in this epoch.
     ``outputs`` holds the train step's per-step metrics of the last sink, still on the device.
+    ``state`` is donated to the next sink: a callback that keeps it (the best params so far)
+    keeps a copy, e.g. ``jax.device_get(run.state.params)``.
     """
 
     model: Model = dataclasses.field(repr=False)
@@ -74,7 +76,18 @@ class RunContext:
 
 
 class Callback:
-    """Base class: every hook does nothing. Override the ones you need."""
+    """Base class: every hook does nothing. Override the ones you need.
+
+    As in MindSpore, a callback is also a context manager that ``Model.train`` enters for the
+    whole run: ``__exit__`` runs however the run ends (an error, Ctrl-C), so that is where a
+    callback releases what it holds (pending checkpoint writes, an eval sink's thread).
+    """
+
+    def __enter__(self) -> Callback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """After the run, also one that raised; after ``on_train_end`` if that ran."""
 
     def on_train_begin(self, run: RunContext) -> None:
         """Before the first epoch."""
@@ -224,8 +237,9 @@ class ProgressBar(Callback):
         self.bar.update(len(run.losses))
         self.bar.set_postfix(epoch=run.epoch, loss=f"{float(run.losses[-1]):.4f}")
 
-    def on_train_end(self, run: RunContext) -> None:
-        self.bar.close()
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class EvalCallback(Callback):
@@ -266,7 +280,7 @@ class EvalCallback(Callback):
             shown = ", ".join(f"{name} is {value:.4f}" for name, value in metrics.items())
             print(f"epoch: {run.epoch} eval: {shown}", flush=True)
 
-    def on_train_end(self, run: RunContext) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._evaluate is not None:
             self._evaluate.close()
             self._evaluate = None
@@ -353,8 +367,8 @@ class ModelCheckpoint(Callback):
         if run.epoch % self.save_every_epochs == 0:
             self.save(run)
 
-    def on_train_end(self, run: RunContext) -> None:
-        self._close()
+    def __exit__(self, *exc: object) -> None:
+        self._close()  # pending writes finish, also when training failed after a save
 
     def save(self, run: RunContext) -> None:
         """Save now (asynchronously: the state is copied to the host first)."""

@@ -19,6 +19,7 @@ any pytree (a flax ``module.apply`` with its ``variables`` plugs straight in; fo
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -146,11 +147,11 @@ class Model:
         if self._train_step is None:
             raise ValueError("This Model has no optimizer: pass optimizer= to train it.")
         _check_epochs(epoch, initial_epoch)
-        data_state = None
+        state, data_state = self.state, None
         if resume_from is not None:
             if initial_epoch:
                 raise ValueError("Pass initial_epoch or resume_from, not both.")
-            meta = self.restore(resume_from)
+            state, meta = self._load(resume_from)
             initial_epoch, data_state = meta["epoch"], meta["data_state"]
             _check_epochs(epoch, initial_epoch)
         if not dataset_sink_mode and sink_size != -1:
@@ -170,7 +171,12 @@ class Model:
             data_state=data_state,
             **self.sink_options,
         )
-        with helper, context.profiling():
+        # Nothing failed: the run starts. Its sinks donate the state, so they get a copy and
+        # arrays taken from it before (the params given to Model, model.params) stay valid.
+        self.state = copy_tree(state)
+        with helper, context.profiling(), contextlib.ExitStack() as entered:
+            for callback in callbacks:
+                entered.enter_context(callback)
             net = connect_network_with_dataset(self._train_step, helper)
             run = RunContext(
                 model=self,
@@ -208,11 +214,18 @@ class Model:
         :class:`~sinkax.train.DatasetHelper` or :func:`sinkax.data_sink` to continue a custom
         loop). A checkpoint of a model with another layout raises ``ValueError`` untouched.
         """
+        self.state, meta = self._load(checkpoint, step)
+        return meta
+
+    def _load(
+        self, checkpoint: str | ModelCheckpoint, step: int | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """``(state, metadata)`` of a checkpoint, leaving :attr:`state` as it is."""
         if not isinstance(checkpoint, ModelCheckpoint):
             checkpoint = ModelCheckpoint(checkpoint)
         state, meta = checkpoint.restore(self.state, step)
-        self.state = jax.device_put(state, context.default_device())
-        return {key: meta[key] for key in ("epoch", "step", "data_state")}
+        state = jax.device_put(state, context.default_device())
+        return state, {key: meta[key] for key in ("epoch", "step", "data_state")}
 
     def eval(self, valid_dataset: Any, dataset_sink_mode: bool = True) -> dict[str, float]:
         """``{"loss", *metrics}`` over exactly one pass of ``valid_dataset``.
