@@ -22,6 +22,7 @@ import functools
 import math
 import numbers
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -159,7 +160,8 @@ def move_to(source: Source, data_state: Any) -> None:
         ) from error
 
 
-def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
+def check_sink_size(sink_size: Any) -> int:
+    """``sink_size`` as an int: steps per call (> 0), or -1; else a ``ValueError``."""
     if (
         isinstance(sink_size, bool)
         or not isinstance(sink_size, numbers.Integral)
@@ -169,10 +171,17 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
             f"sink_size must be a positive int (steps per call) or -1 (one epoch per call), "
             f"got {sink_size!r}."
         )
+    return int(sink_size)
+
+
+def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
+    check_sink_size(sink_size)
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 1:
         raise ValueError(f"prefetch must be an int >= 1 (chunks ready ahead), got {prefetch!r}.")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}.")
+    if not isinstance(timeout, numbers.Real) or not 0 < timeout <= threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"timeout must be seconds > 0 (at most {threading.TIMEOUT_MAX:.3g}), got {timeout!r}."
+        )
     if not max_chunk_bytes > 0:
         raise ValueError(f"max_chunk_bytes must be > 0, got {max_chunk_bytes!r}.")
 

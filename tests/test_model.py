@@ -183,6 +183,7 @@ def test_eval_and_predict_on_a_learnable_problem():
 def test_eval_weighs_a_ragged_last_batch_by_its_size_in_non_sink_mode():
     data = blobs(3)
     ragged = [*data[:2], {"image": data[2]["image"][:4], "label": data[2]["label"][:4]}]
+    assert set(new_model(metrics="accuracy").eval(blobs(2))) == {"loss", "accuracy"}  # one name
     model = new_model(metrics={"first_label": lambda logits, labels: labels[0].astype(float)})
     result = model.eval(ragged, dataset_sink_mode=False)
     per_batch = np.array([b["label"][0] for b in ragged], float)

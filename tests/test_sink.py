@@ -183,6 +183,14 @@ def test_plain_iterables_resume_by_replaying_the_epoch(batches):
 def test_bad_sink_size_is_a_value_error(batches, sink_size):
     with pytest.raises(ValueError, match="sink_size"):
         sinkax.data_sink(train_step, batches, sink_size)
+    with pytest.raises(ValueError, match="sink_size"):  # the Model layer's helper too
+        sinkax.DatasetHelper(batches, dataset_sink_mode=True, sink_size=sink_size)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), 1e12, None, "5"])
+def test_bad_timeout_is_a_value_error(batches, timeout):
+    with pytest.raises(ValueError, match="timeout must be seconds"):
+        sinkax.data_sink(train_step, batches, 2, timeout=timeout)
 
 
 def test_epoch_sinks_need_a_known_length():

@@ -37,7 +37,7 @@ from sinkax import strategy as strategies
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
 from sinkax.executable import Compiler, stateless, with_leading_axis
-from sinkax.sink import _NO_STATE, Sink, SinkStats, data_sink
+from sinkax.sink import _NO_STATE, Sink, SinkStats, check_sink_size, data_sink
 
 
 class DatasetHelper:
@@ -85,7 +85,7 @@ class DatasetHelper:
             raise ValueError(f"epoch_num must be a positive int, got {epoch_num!r}.")
         self.dataset = dataset
         self.dataset_sink_mode = bool(dataset_sink_mode)
-        self.sink_size = int(sink_size) if self.dataset_sink_mode else -1
+        self.sink_size = check_sink_size(sink_size) if self.dataset_sink_mode else -1
         self.epoch_num = int(epoch_num)
         self._options = sink_options
         self._epochs_done = 0

@@ -186,6 +186,8 @@ def resolve_metrics(metrics: Sequence[str] | Mapping[str, Metric]) -> dict[str, 
     """
     if isinstance(metrics, Mapping):
         return dict(metrics)
+    if isinstance(metrics, str):  # one name
+        metrics = (metrics,)
     unknown = [name for name in metrics if name not in METRICS]
     if unknown:
         raise ValueError(
