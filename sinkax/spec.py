@@ -19,6 +19,8 @@ import numpy as np
 
 from sinkax.errors import BatchSpecError
 
+_NOT_ON_DEVICE = "USOMm"  # numpy kinds: str, bytes, object, datetime, timedelta
+
 _FIX = (
     "Every batch must match the first one. A smaller last batch usually means the dataset "
     "needs `batch(batch_size, drop_remainder=True)`; a changed dtype needs an explicit cast "
@@ -40,9 +42,17 @@ class BatchSpec:
         """The spec of ``batch`` (a pytree of array-likes)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
         leaves = [np.asarray(leaf) for _, leaf in flat]
+        paths = tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in flat)
+        for path, leaf in zip(paths, leaves, strict=True):
+            if leaf.dtype.kind in _NOT_ON_DEVICE:
+                raise BatchSpecError(
+                    f"Batch leaf {path} has dtype {leaf.dtype}, which a device array cannot hold "
+                    "(numbers and booleans only). Drop it from the batch or encode it as numbers "
+                    "in the pipeline (e.g. a map that removes file names, or turns them into ids)."
+                )
         return cls(
             treedef=treedef,
-            paths=tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in flat),
+            paths=paths,
             shapes=tuple(leaf.shape for leaf in leaves),
             dtypes=tuple(leaf.dtype for leaf in leaves),
         )

@@ -335,6 +335,15 @@ def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):
     jax.block_until_ready(state)  # the state of the last finished call is intact
 
 
+@pytest.mark.parametrize("sink_size", [1, 3])
+@pytest.mark.parametrize("name", ["img_0.png", None, np.datetime64("2026-01-01")])
+def test_a_leaf_no_device_array_can_hold_names_the_leaf_and_the_fix(batches, sink_size, name):
+    named = [{**b, "name": np.array([name] * 8)} for b in batches]
+    sink = sinkax.data_sink(train_step, named, sink_size)
+    with sink, pytest.raises(sinkax.BatchSpecError, match=r"leaf \['name'\].*numbers and booleans"):
+        sink(init_state())
+
+
 def test_a_dataset_error_reaches_the_caller_with_its_traceback(batches):
     class Broken:
         def __iter__(self):
@@ -348,9 +357,13 @@ def test_a_dataset_error_reaches_the_caller_with_its_traceback(batches):
 
     with sinkax.data_sink(train_step, Broken(), 4) as sink:
         state, _ = sink(init_state())
-        with pytest.raises(OSError, match="disk went away") as err:
-            sink(state)
+        depths = []
+        for _ in range(3):  # it keeps failing the same way, the traceback as deep each time
+            with pytest.raises(OSError, match="disk went away") as err:
+                sink(state)
+            depths.append(len(err.traceback))
     assert "raise_from_the_dataset" in [frame.name for frame in err.traceback]
+    assert depths[0] == depths[1] == depths[2]
 
 
 def test_a_stalled_pipeline_times_out_with_a_diagnosis(batches):

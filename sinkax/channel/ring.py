@@ -90,6 +90,10 @@ def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
 @dataclasses.dataclass(frozen=True)
 class _Failure:
     error: BaseException
+    traceback: Any  # as the producer caught it: each re-raise starts from it again
+
+    def reraise(self) -> None:
+        raise self.error.with_traceback(self.traceback)
 
 
 class DeviceRing:
@@ -172,7 +176,7 @@ class DeviceRing:
             return
         except BaseException as error:  # delivered to the consumer, raised there
             self._spec_ready.set()
-            self._ready.put(_Failure(error))
+            self._ready.put(_Failure(error, error.__traceback__))
 
     def _acquire_slot(self) -> list[np.ndarray] | None:
         """A free slot's staging buffers (``[]`` if not allocated yet); ``None`` once stopped."""
@@ -266,7 +270,7 @@ class DeviceRing:
             failure = self._ready.get()
             assert isinstance(failure, _Failure)
             self._ready.put(failure)
-            raise failure.error
+            failure.reraise()
         return self.spec
 
     def get(self, timeout: float) -> Chunk:
@@ -281,7 +285,7 @@ class DeviceRing:
         if isinstance(item, _Failure):
             self.failed = True
             self._ready.put(item)  # every later call fails the same way
-            raise item.error
+            item.reraise()
         chunk, staging = item
         self._handed_out.append(staging)
         return chunk
