@@ -239,6 +239,7 @@ class Sink:
         self._returned: Any = None  # the state the last call returned
         self._piece = self._offset = 0
         self._resync = False
+        self._running = False  # whether a call is running
         self._closed = False
         self._steps = self._calls = self._dispatches = 0
         self._data_wait_s = self._busy_s = 0.0
@@ -382,17 +383,24 @@ class Sink:
         comes once the state is donated is held until the next call (or ``close()``), which it
         stops before anything runs.
         """
-        self._check_open()
-        interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
-        stateful = state is not _NO_STATE
-        run = self._strategy_for(stateful)
-        if self._resync:  # an interrupted call consumed data it never delivered: rewind
-            self.restore_data_state(self._committed)
-        carry = () if not stateful else self._on_device(state)
-        t_call, wait_before = time.perf_counter(), self._data_wait_s
+        if self._running:  # a load and a store, no call between: no other thread runs in between
+            raise RuntimeError(
+                "This sink is already running a call, from another thread. A sink runs one call "
+                "at a time, as each call moves its data position: give each thread its own "
+                "sink, or let them take turns (a threading.Lock around the calls)."
+            )
+        self._running = True
         parts: list[Any] = []
         guarded = False  # whether this call holds Ctrl-C (main thread only): it clears it
         try:
+            self._check_open()
+            interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
+            stateful = state is not _NO_STATE
+            run = self._strategy_for(stateful)
+            if self._resync:  # an interrupted call consumed data it never delivered: rewind
+                self.restore_data_state(self._committed)
+            carry = () if not stateful else self._on_device(state)
+            t_call, wait_before = time.perf_counter(), self._data_wait_s
             while True:
                 chunk = self._current_chunk()
                 piece = chunk.pieces[self._piece]
@@ -426,7 +434,9 @@ class Sink:
         except BaseException:
             if guarded:
                 interrupt.GUARD.state = None
-            self._resync = bool(parts) and not self._ring.failed
+            if parts:  # data was consumed and not delivered: the next call rewinds
+                self._resync = not self._ring.failed
+            self._running = False
             raise
         # From here on nothing is called and nothing slow is freed, so no Ctrl-C is handled
         # (Python does that at calls and backward jumps) until the caller's own check after
@@ -434,6 +444,7 @@ class Sink:
         self._committed = committed
         self._calls += 1
         self._busy_s += busy_s
+        self._running = False
         if guarded:
             interrupt.GUARD.state = None
         return (carry, outs) if stateful else outs

@@ -546,6 +546,28 @@ def test_a_sink_runs_off_the_main_thread_and_leaves_its_guard_alone(batches):
 
 
 # -- lifetime, stats, graphs ----------------------------------------------------------------
+def test_a_second_thread_calling_a_running_sink_is_refused_and_loses_nothing():
+    started, go_on = threading.Event(), threading.Event()
+
+    def slow(total, batch):  # eager: Python runs inside the call
+        started.set()
+        go_on.wait(10.0)
+        return total + 1, batch["index"]
+
+    seen = []
+    with sinkax.data_sink(slow, indexed_map_dataset(16, 2, seed=None), 2, jit=False) as sink:
+        worker = threading.Thread(target=lambda: seen.append(sink(jnp.int32(0))[1]))
+        worker.start()
+        started.wait(10.0)
+        with pytest.raises(RuntimeError, match="already running a call, from another thread"):
+            sink(jnp.int32(0))
+        go_on.set()
+        worker.join(10.0)
+        seen.append(sink(jnp.int32(0))[1])
+        assert (sink.epoch, sink.step) == (0, 4)
+    assert np.concatenate([np.asarray(s).ravel() for s in seen]).tolist() == list(range(8))
+
+
 def test_close_leaves_no_thread_and_blocks_further_calls(batches):
     before = set(threading.enumerate())
     sink = sinkax.data_sink(train_step, indexed_map_dataset(40, 4), 3)
