@@ -266,6 +266,20 @@ def test_an_iterable_whose_iter_restarts_itself_runs_every_epoch():
     assert seen == [0, 1, 2, 0, 1, 2]
 
 
+def test_a_pass_shorter_than_its_len_is_refused_by_name():
+    class Overstated:
+        def __len__(self):
+            return 5
+
+        def __iter__(self):
+            return iter([{"index": np.array([i], np.int32)} for i in range(3)])
+
+    with sinkax.data_sink(collect_index, Overstated(), 3) as sink:
+        assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == [0, 1, 2]
+        with pytest.raises(ValueError, match=r"ended its pass after 3 batches.*len\(\) is 5"):
+            sink(jnp.int32(0))
+
+
 def test_an_empty_dataset_says_so():
     sink = sinkax.data_sink(collect_index, iter([]), 2)
     with sink, pytest.raises(ValueError, match="yielded no batch: it is empty"):

@@ -7,7 +7,8 @@ so a sink restored from a checkpoint continues with exactly the next batch.
   grain's own checkpointable iterator: restoring is exact and costs nothing. Its ``len()`` is
   the batches per epoch, so one that filters elements out is refused at the first skip;
 * any other re-iterable (grain ``IterDataset`` or ``DataLoader``, a list, a generator factory) is
-  iterated once per epoch; its iterator's ``get_state``/``set_state`` is used when it has one,
+  iterated once per epoch (with a ``len()``, a pass is its first ``len()`` batches, and one that
+  ends sooner is an error); its iterator's ``get_state``/``set_state`` is used when it has one,
   otherwise a restore replays the epoch from its start up to the saved step.
 
 >>> src = as_source([{"x": i} for i in range(3)])
@@ -160,6 +161,12 @@ class IterableSource:
         except StopIteration:
             if self.position.step == 0:
                 raise self._no_batch_error() from None
+            if self.epoch_length is not None:  # a sized pass ends at len(), not before
+                raise ValueError(
+                    f"The dataset {type(self._dataset).__name__} ended its pass after "
+                    f"{self.position.step} batches, but its len() is {self.epoch_length}: epochs "
+                    "and positions follow len(). Make __len__ return the batches a pass yields."
+                ) from None
             self._restart_epoch(self.position.epoch + 1)
             try:
                 batch = next(self._iterator)
