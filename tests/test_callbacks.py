@@ -115,6 +115,14 @@ def test_model_checkpoint_keeps_the_last_n_every_m_epochs(tmp_path):
     assert checkpoint.latest_step() == 18
 
 
+def test_model_checkpoint_saves_the_last_epoch_at_the_end(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path, save_every_epochs=2)
+    new_model().train(5, shuffled_blobs(3), callbacks=checkpoint)  # saves at epochs 2, 4, 5
+    assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [6, 12, 15]
+    resumed = new_model()
+    assert resumed.restore(tmp_path)["epoch"] == 5
+
+
 def test_model_checkpoint_refuses_to_mix_runs(tmp_path):
     new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))
     with pytest.raises(ValueError, match=r"another run.*resume_from"):

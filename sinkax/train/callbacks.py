@@ -313,7 +313,9 @@ def _layout_mismatch(saved: list[list[Any]], current: list[list[Any]]) -> list[s
 
 
 class ModelCheckpoint(Callback):
-    """Saves the train state and the data position with orbax every ``save_every_epochs``.
+    """Saves the train state and the data position with orbax every ``save_every_epochs``,
+    and, as MindSpore's does, at the end of training if its last epoch was not saved yet
+    (a run stopped mid-epoch keeps its last complete epoch's checkpoint).
 
     Each checkpoint (named by the global step) holds params, optimizer state, step, epoch and
     the sink's ``data_state()``; the last ``keep_last`` are kept. Resume with
@@ -332,6 +334,8 @@ class ModelCheckpoint(Callback):
         self.keep_last = _check_positive("keep_last", keep_last)
         self.save_every_epochs = _check_positive("save_every_epochs", save_every_epochs)
         self._manager: Any = None
+        self._completed: int | None = None  # the last epoch that ran to its end
+        self._saved: int | None = None  # the step of the last save
 
     def _open(self) -> Any:
         ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
@@ -364,7 +368,12 @@ class ModelCheckpoint(Callback):
             )
 
     def on_epoch_end(self, run: RunContext) -> None:
+        self._completed = run.epoch
         if run.epoch % self.save_every_epochs == 0:
+            self.save(run)
+
+    def on_train_end(self, run: RunContext) -> None:
+        if self._completed == run.epoch and self._saved != run.step:
             self.save(run)
 
     def __exit__(self, *exc: object) -> None:
@@ -382,6 +391,7 @@ class ModelCheckpoint(Callback):
         }
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._open().save(run.step, args=args, force=True)
+        self._saved = run.step
 
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """``(state, meta)`` of checkpoint ``step`` (default: the latest), shaped like ``like``.
