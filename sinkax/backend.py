@@ -51,6 +51,8 @@ def resolve_device(target: str | None = None, device_id: int = 0) -> jax.Device:
         )
     else:
         devices = reachable[target]
+    if isinstance(device_id, bool) or not isinstance(device_id, int):
+        raise ValueError(f"device_id must be an int (a device number), got {device_id!r}.")
     if not 0 <= device_id < len(devices):
         raise ValueError(
             f"device_id={device_id} is out of range: {target or devices[0].platform} has "

@@ -27,6 +27,13 @@ import time
 from collections.abc import Sequence
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sinkax`` argument parser."""
     parser = argparse.ArgumentParser(prog="sinkax", description=__doc__.split("\n\n")[0])
@@ -37,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train LeNet5 on MNIST with sinkax.Model (MindSpore's reference example).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    train.add_argument("--epochs", type=int, default=15, help="epochs to train")
+    train.add_argument("--epochs", type=_positive, default=15, help="epochs to train")
     train.add_argument("--batch-size", type=int, default=32, help="training batch size")
     train.add_argument(
         "--sink-size", type=int, default=-1, help="steps per sink (= per epoch); -1: whole pass"

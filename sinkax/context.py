@@ -52,11 +52,17 @@ def set_context(**settings: Any) -> None:
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(f"Unknown context setting(s) {unknown}; known: {sorted(known)}.")
-    if settings.get("mode", GRAPH_MODE) not in (GRAPH_MODE, PYNATIVE_MODE):
-        raise ValueError("mode must be sinkax.GRAPH_MODE or sinkax.PYNATIVE_MODE.")
+    mode = settings.get("mode", GRAPH_MODE)
+    if isinstance(mode, bool) or mode not in (GRAPH_MODE, PYNATIVE_MODE):
+        raise ValueError(f"mode must be sinkax.GRAPH_MODE or sinkax.PYNATIVE_MODE, got {mode!r}.")
     options = settings.get("profiling_options", {})
     if isinstance(options, str):  # MindSpore passes a JSON string
-        settings["profiling_options"] = json.loads(options)
+        options = settings["profiling_options"] = json.loads(options)
+    if not isinstance(options, dict):
+        raise ValueError(
+            'profiling_options must be a dict (or its JSON), e.g. {"result_path": "profiler"}; '
+            f"got {options!r}."
+        )
     if "device_target" in settings or "device_id" in settings:
         target = settings.get("device_target", _context.device_target)
         device = resolve_device(target, settings.get("device_id", _context.device_id))

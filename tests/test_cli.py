@@ -46,6 +46,9 @@ def test_python_dash_m_and_bad_options():
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:  # before anything is built
+        main(["train", "--epochs", "0"])
+    assert exit_info.value.code == 2
 
 
 def test_an_unavailable_device_is_a_clean_error(capsys):

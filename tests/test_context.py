@@ -36,6 +36,23 @@ def test_graph_and_pynative_modes_train_alike(train_options):
         assert eager_run.sink_stats.strategy == "eager" and eager_run.sink_stats.compiles == 0
 
 
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"mode": True}, "mode must be"),
+        ({"mode": 3}, "mode must be"),
+        ({"device_id": "0"}, "device_id must be an int"),
+        ({"device_id": 0.0}, "device_id must be an int"),
+        ({"profiling_options": None}, "profiling_options must be a dict"),
+    ],
+)
+def test_bad_settings_are_value_errors_that_change_nothing(setting, match):
+    before = sinkax.get_context()
+    with pytest.raises(ValueError, match=match):
+        sinkax.set_context(**setting)
+    assert sinkax.get_context() == before
+
+
 def test_an_unavailable_device_target_lists_the_available_ones():
     if "GPU" in available():
         pytest.skip("a GPU is present")

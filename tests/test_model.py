@@ -509,6 +509,20 @@ def test_a_failed_run_keeps_its_last_checkpoint_and_leaves_no_thread(tmp_path):
     assert set(evaluate.results) == {1, 2}
 
 
+def test_an_unsized_dataset_cannot_be_evaluated_and_says_what_can(tmp_path):
+    for sink_mode in (True, False):
+        with pytest.raises(ValueError, match=r"one pass.*no len\(\).*sized dataset"):
+            new_model().eval(iter(blobs(2)), dataset_sink_mode=sink_mode)
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_fails_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
+    history = History()
+    with pytest.raises(ValueError, match="cannot write to"):
+        new_model().train(2, blobs(2), [history, ModelCheckpoint(tmp_path / "file" / "ckpt")])
+    assert history.losses.size == 0
+
+
 def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):
     with pytest.raises(FileNotFoundError, match="No checkpoint"):
         new_model().train(2, blobs(2), resume_from=tmp_path / "empty")

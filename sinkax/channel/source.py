@@ -51,7 +51,8 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-def _known_length(dataset: Any) -> int | None:
+def known_length(dataset: Any) -> int | None:
+    """``len(dataset)``, or ``None`` if it has none (or an endless one)."""
     try:
         n = len(dataset)
     except TypeError:
@@ -91,7 +92,7 @@ class MapDatasetSource:
     """A grain ``MapDataset`` read endlessly with per-epoch reshuffling."""
 
     def __init__(self, dataset: grain.MapDataset, read_options: grain.ReadOptions | None = None):
-        self.epoch_length = _known_length(dataset)
+        self.epoch_length = known_length(dataset)
         if self.epoch_length == 0:
             raise _empty_error(dataset)
         endless = dataset if self.epoch_length is None else dataset.repeat(None)
@@ -144,7 +145,7 @@ class IterableSource:
     """Any re-iterable: one pass is one epoch, iterated again for the next."""
 
     def __init__(self, dataset: Iterable[Any]):
-        self.epoch_length = _known_length(dataset)
+        self.epoch_length = known_length(dataset)
         if self.epoch_length == 0:
             raise _empty_error(dataset)
         self._dataset = dataset

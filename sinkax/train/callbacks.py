@@ -359,6 +359,13 @@ class ModelCheckpoint(Callback):
         return self._open().latest_step()
 
     def on_train_begin(self, run: RunContext) -> None:
+        try:  # before any training, not at the first save
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"ModelCheckpoint cannot write to {self.directory} ({error.strerror}): give a "
+                "directory that can be created and written."
+            ) from error
         latest = self.latest_step()
         if latest is not None and latest > run.step:
             raise ValueError(

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from sinkax import context
+from sinkax.channel.source import known_length
 from sinkax.executable import copy_tree
 from sinkax.train.callbacks import Callback, ModelCheckpoint, RunContext
 from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
@@ -53,7 +54,8 @@ def _check_epochs(epoch: Any, initial_epoch: Any) -> None:
     if epoch <= initial_epoch:
         raise ValueError(
             f"epoch={epoch} is the number of the last epoch to train, so it must exceed "
-            f"initial_epoch={initial_epoch} (the epochs already done); nothing would run."
+            f"initial_epoch={initial_epoch} (the epochs already done, e.g. by the checkpoint "
+            f"resumed from); nothing would run. Ask for more than {initial_epoch} epochs."
         )
 
 
@@ -250,6 +252,12 @@ class Evaluator:
     calls (compiled once); :class:`~sinkax.train.EvalCallback` keeps one for a whole run."""
 
     def __init__(self, model: Model, dataset: Any, dataset_sink_mode: bool, passes: int):
+        if known_length(dataset) is None:
+            raise ValueError(
+                f"Evaluation runs exactly one pass over the dataset, which needs a dataset of "
+                f"known length; {type(dataset).__name__} has no len(). Give a sized dataset (a "
+                "grain MapDataset, a list, an object with __len__)."
+            )
         self._helper = DatasetHelper(dataset, dataset_sink_mode, -1, passes, **model.sink_options)
         self._net = connect_network_with_dataset(model._eval_and_count, self._helper)
 
