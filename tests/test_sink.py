@@ -31,6 +31,8 @@ from conftest import (
 )
 
 import sinkax
+from sinkax.channel.ring import DeviceRing
+from sinkax.channel.source import as_source
 
 
 def run_sink(batches, sink_size, calls, step=None, **options):
@@ -786,6 +788,26 @@ def test_a_step_function_runs_on_several_devices(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "2 devices" in result.stdout
+
+
+def test_one_step_calls_get_aligned_copies_that_xla_takes_as_they_are(batches):
+    ring = DeviceRing(
+        as_source(batches),
+        plan=lambda spec, position: itertools.repeat([(1, True)] * 4),
+        prefetch=1,
+        device=jax.devices()[0],
+        stack=False,
+    )
+    try:
+        handed = ring.get(timeout=10.0).data
+    finally:
+        ring.close(timeout=10.0)
+    for copy, original in zip(handed, batches, strict=False):
+        for key in original:
+            assert copy[key].ctypes.data % 64 == 0 and copy[key] is not original[key]
+            np.testing.assert_array_equal(copy[key], original[key])
+            on_device = jax.device_put(copy[key])  # aliased, not copied again
+            assert on_device.unsafe_buffer_pointer() == copy[key].ctypes.data
 
 
 def test_step_strategy_needs_one_step_calls(batches):
