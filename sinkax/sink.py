@@ -143,14 +143,27 @@ def plan(
     return plan_chunks(calls, chunk_steps(max_chunk_bytes, spec))
 
 
-def move_to(source: Source, data_state: Any) -> None:
-    """Set ``source`` to a position saved by :meth:`Sink.data_state`; ``ValueError`` if it does
-    not fit."""
+def check_data_state(source: Source, data_state: Any) -> None:
+    """``ValueError`` if ``data_state`` is not a :meth:`Sink.data_state` of ``source``'s kind;
+    changes nothing."""
     if not (isinstance(data_state, dict) and {"epoch", "step", "source"} <= data_state.keys()):
         raise ValueError(
             "data_state must be what Sink.data_state() returned, a dict with 'epoch', 'step' "
             f"and 'source'; got {data_state!r:.200}."
         )
+    try:
+        source.check_state(data_state["source"])
+    except ValueError as error:
+        raise ValueError(
+            f"This data_state does not fit the dataset: {error} Give what Sink.data_state() "
+            "returned for a sink over the same dataset."
+        ) from None
+
+
+def move_to(source: Source, data_state: Any) -> None:
+    """Set ``source`` to a position saved by :meth:`Sink.data_state`; ``ValueError`` if it does
+    not fit."""
+    check_data_state(source, data_state)
     try:
         source.set_state(data_state["source"])
     except Exception as error:
@@ -290,6 +303,8 @@ class Sink:
     def restore_data_state(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
         self._check_open()
+        check_data_state(self._source, state)  # before the producer stops: a one-shot
+        # iterator's producer cannot be restarted where it was
         if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
             raise SinkTimeoutError(
                 self._stuck_producer("rewinding the data")
@@ -463,7 +478,10 @@ class Sink:
             ("carry", layout((state, batch))), lambda: carry_dtypes(self.fn, state, batch)
         )
         leaves, treedef = jax.tree.flatten(state)
-        casts = [x if x.dtype == d else x.astype(d) for x, d in zip(leaves, dtypes, strict=True)]
+        casts = [  # a weakly typed leaf would come back strongly typed: one layout from the start
+            x.astype(d) if x.weak_type or x.dtype != d else x
+            for x, d in zip(leaves, dtypes, strict=True)
+        ]
         return jax.tree.unflatten(treedef, casts)
 
     def _current_chunk(self) -> Chunk:

@@ -393,6 +393,27 @@ def test_without_a_guard_the_nan_reaches_the_params_and_training_stops():
     assert not np.all(np.isfinite(jax.tree.leaves(model.state.params)[0]))
 
 
+def test_a_run_stopped_for_nan_keeps_its_last_good_checkpoint(tmp_path):
+    data = blobs(4)
+    poisoned = [{"image": b["image"] * np.nan, "label": b["label"]} for b in data]
+    epochs = iter([data, data, poisoned, data, data, data])  # epoch 3 gives NaN
+
+    class ThirdEpochNaN:
+        def __len__(self):
+            return len(data)
+
+        def __iter__(self):
+            return iter(next(epochs))
+
+    checkpoint = ModelCheckpoint(tmp_path, keep_last=1, save_every_epochs=2)
+    run = new_model().train(6, ThirdEpochNaN(), [TerminateOnNaN(), checkpoint])
+    assert run.stop_requested and run.epoch == 3
+    assert sorted(os.listdir(tmp_path)) == ["8"]  # epoch 2's, not the NaN state of epoch 3
+    restored = new_model()
+    assert restored.restore(tmp_path)["epoch"] == 2
+    assert np.all(np.isfinite(restored.params["w"]))
+
+
 # -- checkpoints and resume ------------------------------------------------------------------
 def test_resume_continues_with_exactly_the_next_batch(tmp_path):
     dataset = shuffled_blobs(10)  # reshuffled each epoch; sink_size 3 ends mid-epoch
@@ -461,11 +482,20 @@ def test_resuming_a_different_model_is_refused_before_restoring(tmp_path):
 
 
 def test_a_resume_that_fails_its_checks_leaves_the_model_as_it_was(tmp_path):
-    new_model().train(4, blobs(2), callbacks=ModelCheckpoint(tmp_path))  # up to epoch 4
+    new_model().train(4, shuffled_blobs(2), callbacks=ModelCheckpoint(tmp_path / "a"))
+    new_model().train(6, blobs(2), callbacks=ModelCheckpoint(tmp_path / "b"))  # further on
     model = new_model()
     before = jax.device_get(model.state)
-    with pytest.raises(ValueError, match="initial_epoch=4"):
-        model.train(3, blobs(2), resume_from=tmp_path)
+    with pytest.raises(ValueError, match="initial_epoch=4"):  # the epochs
+        model.train(3, shuffled_blobs(2), resume_from=tmp_path / "a")
+    with pytest.raises(ValueError, match="does not fit the dataset"):  # the data position
+        model.train(6, blobs(2), resume_from=tmp_path / "a")
+    with pytest.raises(ValueError, match="does not fit the dataset"):  # ... in non-sink mode
+        model.train(6, blobs(2), dataset_sink_mode=False, resume_from=tmp_path / "a")
+    with pytest.raises(ValueError, match="another run"):  # a callback's on_train_begin
+        model.train(
+            6, shuffled_blobs(2), [ModelCheckpoint(tmp_path / "b")], resume_from=tmp_path / "a"
+        )
     assert_trees_equal(model.state, before)
 
 

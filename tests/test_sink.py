@@ -242,6 +242,16 @@ def test_a_list_refuses_a_grain_data_state_and_loses_nothing():
     assert seen == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
 
 
+def test_a_generators_sink_survives_a_refused_data_state():
+    # a one-shot iterator cannot be rewound: the state is refused before the producer stops
+    batches = ({"index": np.array([i], np.int32)} for i in range(100))
+    with sinkax.data_sink(collect_index, batches, 2) as sink:
+        sink(jnp.int32(0))
+        with pytest.raises(ValueError, match="does not fit the dataset"):
+            sink.restore_data_state({"epoch": 0, "step": 0, "source": {"next_index": 0}})
+        assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == [2, 3]
+
+
 def test_a_generator_fails_at_its_second_epoch_with_the_fix():
     batches = ({"index": np.array([i], np.int32)} for i in range(4))
     with sinkax.data_sink(collect_index, batches, 2) as sink:
@@ -751,6 +761,16 @@ def test_a_state_of_python_numbers_takes_the_dtypes_the_step_gives_it(
     monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 0.0)  # auto: scan and loop both run
     eager = _totals(batches, sink_size, jit=False)
     np.testing.assert_allclose(_totals(batches, sink_size, strategy=strategy), eager, atol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "loop"])
+@pytest.mark.parametrize("start", [0, 0.0])
+def test_a_state_of_python_numbers_compiles_once(batches, strategy, start):
+    with sinkax.data_sink(functools.partial(_counted), batches, 3, strategy=strategy) as sink:
+        total = start
+        for _ in range(4):
+            total, _ = sink(total)
+        assert sink.stats.compiles == 1
 
 
 def test_a_step_that_changes_the_states_dtype_is_refused_by_name(batches):

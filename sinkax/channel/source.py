@@ -47,6 +47,9 @@ class Source(Protocol):
 
     def __next__(self) -> Any: ...
     def get_state(self) -> dict[str, Any]: ...
+    def check_state(self, state: Any) -> None:
+        """``ValueError`` if ``state`` is not a state of this kind of source; touches nothing."""
+
     def set_state(self, state: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 
@@ -71,14 +74,6 @@ def _empty_pass_error(dataset: Any, epoch: int) -> ValueError:
         "epoch needs a new pass: give a re-iterable (a list, a grain MapDataset/IterDataset/"
         "DataLoader, or an object whose __iter__ starts a new pass)."
     )
-
-
-def _check_position(state: dict[str, Any]) -> tuple[int, int]:
-    epoch, step = state["epoch"], state["step"]
-    for name, value in (("epoch", epoch), ("step", step)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}.")
-    return epoch, step
 
 
 # The sink's producer thread already runs the pipeline off the training thread, so by default
@@ -123,10 +118,16 @@ class MapDatasetSource:
     def get_state(self) -> dict[str, Any]:
         return {"next_index": self._next_index}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        index = state["next_index"]
+    def check_state(self, state: Any) -> None:
+        index = state.get("next_index") if isinstance(state, dict) else None
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"next_index must be an int >= 0, got {index!r}.")
+            raise ValueError(
+                f"a grain MapDataset's state is {{'next_index': int >= 0}}, got {state!r}."
+            )
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        index = state["next_index"]
         self.close()
         self._iterator = iter(self._iterable)
         self._iterator.set_state({"next_index": index})
@@ -201,8 +202,19 @@ class IterableSource:
                 state["iterator"] = saved
         return state
 
+    def check_state(self, state: Any) -> None:
+        position = [state.get(key) for key in ("epoch", "step")] if isinstance(state, dict) else []
+        if len(position) != 2 or any(
+            isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in position
+        ):
+            raise ValueError(
+                "an iterable's state is {'epoch': int >= 0, 'step': int >= 0, ...}, got "
+                f"{state!r}."
+            )
+
     def set_state(self, state: dict[str, Any]) -> None:
-        epoch, step = _check_position(state)
+        self.check_state(state)
+        epoch, step = state["epoch"], state["step"]
         self._restart_epoch(epoch)
         saved = state.get("iterator")
         if "iterator_base64" in state:

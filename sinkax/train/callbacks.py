@@ -314,8 +314,9 @@ def _layout_mismatch(saved: list[list[Any]], current: list[list[Any]]) -> list[s
 
 class ModelCheckpoint(Callback):
     """Saves the train state and the data position with orbax every ``save_every_epochs``,
-    and, as MindSpore's does, at the end of training if its last epoch was not saved yet
-    (a run stopped mid-epoch keeps its last complete epoch's checkpoint).
+    and, as MindSpore's does, at the end of training if its last epoch was not saved yet --
+    unless a callback stopped the run (``TerminateOnNaN``): then the last checkpoint saved is
+    the one to resume from.
 
     Each checkpoint (named by the global step) holds params, optimizer state, step, epoch and
     the sink's ``data_state()``; the last ``keep_last`` are kept. Resume with
@@ -380,7 +381,8 @@ class ModelCheckpoint(Callback):
             self.save(run)
 
     def on_train_end(self, run: RunContext) -> None:
-        if self._completed == run.epoch and self._saved != run.step:
+        # not after a stop request: that may be TerminateOnNaN's, and the state not worth keeping
+        if not run.stop_requested and self._completed == run.epoch and self._saved != run.step:
             self.save(run)
 
     def __exit__(self, *exc: object) -> None:

@@ -37,7 +37,7 @@ from sinkax import strategy as strategies
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
 from sinkax.executable import Compiler, stateless, with_leading_axis
-from sinkax.sink import _NO_STATE, Sink, SinkStats, check_sink_size, data_sink
+from sinkax.sink import _NO_STATE, Sink, SinkStats, check_sink_size, data_sink, move_to
 
 
 class DatasetHelper:
@@ -183,7 +183,11 @@ class _HostFeed:
                 "dataset (a grain MapDataset, a list) or sink mode with sink_size > 0."
             )
         if data_state is not None:
-            self._source.set_state(data_state["source"])
+            try:
+                move_to(self._source, data_state)
+            except ValueError:
+                self._source.close()
+                raise
         self.committed = snapshot(self._source)  # where the next batch to step on comes from
         self.pending: Any = _NO_STATE  # the batch handed out last
         self.pending_position = self.committed  # where the batch after it comes from

@@ -173,23 +173,24 @@ class Model:
             data_state=data_state,
             **self.sink_options,
         )
-        # Nothing failed: the run starts. Its sinks donate the state, so they get a copy and
-        # arrays taken from it before (the params given to Model, model.params) stay valid.
-        self.state = copy_tree(state)
+        # The sinks donate the state: they get a copy, so that arrays taken from it before (the
+        # params given to Model, model.params) stay valid.
+        state = copy_tree(state)
         with helper, context.profiling(), contextlib.ExitStack() as entered:
             for callback in callbacks:
                 entered.enter_context(callback)
             net = connect_network_with_dataset(self._train_step, helper)
             run = RunContext(
                 model=self,
-                state=self.state,
+                state=state,
                 helper=helper,
                 initial_epoch=initial_epoch,
                 epochs=epoch,
                 epoch=initial_epoch,
-                step=int(self.state.step),
+                step=int(state.step),
             )
             _notify(callbacks, "on_train_begin", run)
+            self.state = state  # every check has passed: the run starts
             for number in range(initial_epoch + 1, epoch + 1):
                 run.epoch, run.step_in_epoch = number, 0
                 _notify(callbacks, "on_epoch_begin", run)
