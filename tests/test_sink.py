@@ -810,7 +810,10 @@ def test_a_step_function_runs_on_several_devices(tmp_path):
     assert "2 devices" in result.stdout
 
 
-def test_one_step_calls_get_aligned_copies_that_xla_takes_as_they_are(batches):
+def test_one_step_calls_get_copies_that_xla_takes_as_they_are():
+    batches = [
+        {"big": np.full((32, 1024), i, np.float32), "small": np.arange(4) + i} for i in range(4)
+    ]
     ring = DeviceRing(
         as_source(batches),
         plan=lambda spec, position: itertools.repeat([(1, True)] * 4),
@@ -822,12 +825,13 @@ def test_one_step_calls_get_aligned_copies_that_xla_takes_as_they_are(batches):
         handed = ring.get(timeout=10.0).data
     finally:
         ring.close(timeout=10.0)
+    assert handed  # the first chunk goes out after its first batch
     for copy, original in zip(handed, batches, strict=False):
         for key in original:
-            assert copy[key].ctypes.data % 64 == 0 and copy[key] is not original[key]
+            assert copy[key] is not original[key]
             np.testing.assert_array_equal(copy[key], original[key])
-            on_device = jax.device_put(copy[key])  # aliased, not copied again
-            assert on_device.unsafe_buffer_pointer() == copy[key].ctypes.data
+        big = copy["big"]  # 128 KB: aligned, so XLA:CPU aliases it rather than copy it again
+        assert jax.device_put(big).unsafe_buffer_pointer() == big.ctypes.data
 
 
 def test_step_strategy_needs_one_step_calls(batches):

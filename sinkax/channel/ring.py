@@ -14,11 +14,11 @@ them as device buffers without a copy (``device_put`` aliases aligned host memor
 slot *is* the device memory; on GPU ``device_put`` copies from it.
 
 With ``stack=False`` (the ``"step"`` strategy's one-step calls on CPU) the producer checks the
-batches, copies each leaf into 64-byte aligned memory (a dataset may refill the arrays it
-yielded once it runs again, and the producer reads ahead) and hands them over unstacked, a chunk
-being a tuple of them: no staging ring. The executable takes each batch at dispatch, as a plain
-jitted step does -- and, the batch being aligned, without the copy XLA:CPU makes of an unaligned
-array in the caller's thread.
+batches and copies each leaf (a dataset may refill the arrays it yielded once it runs again, and
+the producer reads ahead), from 4 KiB on into 64-byte aligned memory, and hands them over
+unstacked, a chunk being a tuple of them: no staging ring. The executable takes each batch at
+dispatch, as a plain jitted step does -- and, the batch being aligned, without the copy XLA:CPU
+makes of an unaligned array in the caller's thread.
 
 The producer follows a plan: an endless sequence of chunk layouts, each a list of
 ``(steps, ends_call)`` pieces -- several whole sink calls grouped into one chunk (one transfer
@@ -81,10 +81,13 @@ class ChannelStats:
     max_chunks_on_device: int = 0
 
 
+ALIGN_FROM_BYTES = 4096  # smaller arrays XLA copies at dispatch for less than aligning costs
+
+
 def _aligned(allocate: Any, shape: tuple[int, ...], dtype: np.dtype, align: int) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = allocate(nbytes + align, np.uint8)
-    offset = -raw.ctypes.data % align
+    offset = -raw.__array_interface__["data"][0] % align  # (.ctypes builds an object: slower)
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
@@ -93,13 +96,16 @@ def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     return _aligned(np.zeros, shape, dtype, align)
 
 
-def aligned_copy(array: np.ndarray, align: int = 64) -> np.ndarray:
-    """A copy of ``array`` starting on an ``align``-byte boundary, which XLA:CPU takes at
-    dispatch as it is; an array that is not so aligned (most numpy arrays) it copies again.
+def owned_copy(array: np.ndarray, align: int = 64) -> np.ndarray:
+    """A copy of ``array``; from :data:`ALIGN_FROM_BYTES` on, starting on an ``align``-byte
+    boundary, which XLA:CPU takes at dispatch as it is (an array that is not so aligned, as most
+    numpy arrays are not, it copies again, in the caller's thread).
 
-    >>> aligned_copy(np.arange(3.0)).ctypes.data % 64
+    >>> owned_copy(np.arange(1024.0)).ctypes.data % 64
     0
     """
+    if array.nbytes < ALIGN_FROM_BYTES:
+        return np.array(array)
     copy = _aligned(np.empty, array.shape, array.dtype, align)
     np.copyto(copy, array)
     return copy
@@ -243,7 +249,7 @@ class DeviceRing:
                         for buffer, leaf in zip(staging, leaves, strict=True):
                             buffer[filled] = leaf
                     else:  # own copies: the dataset may refill its arrays when it runs again
-                        copies = [aligned_copy(leaf) for leaf in leaves]
+                        copies = [owned_copy(leaf) for leaf in leaves]
                         batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
                     filled += 1
                     if self._stop.is_set():
