@@ -89,15 +89,19 @@ def lenet5_init(key: jax.Array, num_classes: int = 10) -> Params:
     return _init_tree(key, spec)
 
 
-def lenet5_apply(params: Params, x: jax.Array) -> jax.Array:
+def lenet5_apply(params: Params, x: jax.Array, conv: Any = conv2d_valid) -> jax.Array:
     """Logits of LeNet5 for float32 NHWC images ``x`` of shape (batch, 32, 32, 1).
+
+    ``conv(x, w)`` is the stride-1 VALID convolution (NHWC, HWIO): im2col by default; a
+    ``lax.conv_general_dilated`` one computes the same, slower inside a scan on CPU
+    (``benchmarks/conv_in_scan.py``).
 
     >>> p = lenet5_init(jax.random.PRNGKey(0))
     >>> lenet5_apply(p, jnp.zeros((4, 32, 32, 1))).shape
     (4, 10)
     """
-    x = _maxpool2(jax.nn.relu(conv2d_valid(x, params["conv1"]["w"])))
-    x = _maxpool2(jax.nn.relu(conv2d_valid(x, params["conv2"]["w"])))
+    x = _maxpool2(jax.nn.relu(conv(x, params["conv1"]["w"])))
+    x = _maxpool2(jax.nn.relu(conv(x, params["conv2"]["w"])))
     x = x.reshape(x.shape[0], -1)  # NHWC flatten order (5, 5, 16)
     x = jax.nn.relu(x @ params["fc1"]["w"] + params["fc1"]["b"])
     x = jax.nn.relu(x @ params["fc2"]["w"] + params["fc2"]["b"])
