@@ -156,7 +156,12 @@ class Loop:
 
 class Step:
     """One-step windows: the compiled step on one batch of a sequence, outputs given a leading
-    axis inside the executable."""
+    axis inside the executable.
+
+    ``batches_alike``: every batch has one layout (a sink's ring checks it), so the executable is
+    looked up again only for a new state. Without it (non-sink mode, whose last eval batch may be
+    smaller) every call looks it up by the state's and the batch's layout.
+    """
 
     name = "step"
     atomic = True
@@ -164,9 +169,10 @@ class Step:
     def dispatches(self, steps: int) -> int:
         return 1
 
-    def __init__(self, fn: StepFn, compiler: Compiler):
+    def __init__(self, fn: StepFn, compiler: Compiler, batches_alike: bool = True):
         self._program = single_step_program(fn)
         self._compiler = compiler
+        self._batches_alike = batches_alike
         self._last: tuple[Any, Any] = (None, None)  # state out, executable
 
     def _executable(self, state: Any, batch: Any) -> Any:
@@ -176,7 +182,7 @@ class Step:
         assert steps == 1, "resolve() gives 'step' to one-step sinks only"
         batch = chunk[offset]
         last_state, executable = self._last
-        if state is not last_state:  # every batch has the ring-checked layout; only state varies
+        if state is not last_state or not self._batches_alike:
             executable = self._executable(state, batch)
         state, outs = executable(state, batch)
         self._last = (state, executable)
@@ -296,10 +302,13 @@ def takes_stacked_chunks(name: str) -> bool:
     return name != "step"
 
 
-def make(name: str, fn: StepFn, compiler: Compiler) -> Strategy | Auto:
-    """The strategy called ``name``, as :func:`resolve` gave it."""
+def make(name: str, fn: StepFn, compiler: Compiler, batches_alike: bool = True) -> Strategy | Auto:
+    """The strategy called ``name``, as :func:`resolve` gave it (``batches_alike``: see
+    :class:`Step`)."""
     if name == "eager":
         return Eager(fn)
     if name == "auto":
         return Auto([Scan(fn, compiler), Loop(fn, compiler)])
-    return {"scan": Scan, "loop": Loop, "step": Step}[name](fn, compiler)
+    if name == "step":
+        return Step(fn, compiler, batches_alike)
+    return {"scan": Scan, "loop": Loop}[name](fn, compiler)

@@ -267,22 +267,29 @@ class _HostNet:
         )
         self._stacked = strategies.takes_stacked_chunks(name)
         compiler = Compiler(fn, save_graphs=options.get("save_graphs") or context.graphs_folder())
-        self._stateful = strategies.make(name, fn, compiler)
-        self._stateless = strategies.make(name, stateless(fn), compiler)
+        # the host batches are unchecked: an eval pass may end on a smaller one
+        self._stateful = strategies.make(name, fn, compiler, batches_alike=False)
+        self._stateless = strategies.make(name, stateless(fn), compiler, batches_alike=False)
+        self._returned: Any = None  # the state the last step returned: on the device already
 
     def __call__(self, state: Any = _NO_STATE) -> Any:
         interrupt.deliver_held()
         feed = self._feed
-        batch = jax.device_put(feed.take(), self._device)
-        window = with_leading_axis(batch) if self._stacked else (batch,)
+        batch = feed.take()
+        if self._stacked:  # a window of one batch, stacked on the device
+            window = with_leading_axis(jax.device_put(batch, self._device))
+        else:  # "step": XLA takes the host batch at dispatch, as a plain jitted step does
+            window = (batch,)
         guarded = False  # as in Sink.__call__
         try:
             if state is _NO_STATE:
                 out = self._stateless.run((), window, 0, 1)[1]
             else:
-                state = jax.device_put(state, self._device)
+                if state is not self._returned:  # (device_put walks the tree: ~80 µs a state)
+                    state = jax.device_put(state, self._device)
                 guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
                 out = self._stateful.run(state, window, 0, 1)
+                self._returned = out[0]
             guarded = interrupt.guard(interrupt.DISPATCHED)  # hold Ctrl-C to the return
             del state, batch, window  # freed (µs) while a Ctrl-C is held, not after the guard
             interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
