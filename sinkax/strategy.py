@@ -218,6 +218,7 @@ class Auto:
 
     def __init__(self, candidates: list[Candidate], clock: Callable[[], float] = time.perf_counter):
         self._schedule = [candidates[0], *candidates, *reversed(candidates)]  # warm-up, A B B A
+        self._first, *self._others = candidates  # the first is kept unless another is faster
         self._clock = clock
         self._trial = 0
         self._trial_s = self._trial_steps = 0.0
@@ -252,21 +253,20 @@ class Auto:
                 self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
             self._trial += 1
             self._trial_s = self._trial_steps = 0.0
-            first, *others = self._schedule[1 : 1 + len(self.timings)]
-            rivals = [self.timings[c.name] for c in others]
+            rivals = [self.timings[c.name] for c in self._others]
             clear = all(map(math.isfinite, rivals)) and (
-                min(rivals) > CLEAR_MARGIN * self.timings[first.name]
+                min(rivals) > CLEAR_MARGIN * self.timings[self._first.name]
             )
             if clear or self._trial == len(self._schedule):
-                self.chosen = self._fastest(first, others)
+                self.chosen = self._fastest()
         return state, outs
 
-    def _fastest(self, first: Candidate, others: list[Candidate]) -> Candidate:
-        """``first``, unless another is faster by :data:`PREFER_MARGIN`."""
-        best = min(others, key=lambda c: self.timings[c.name])
-        if self.timings[best.name] * PREFER_MARGIN < self.timings[first.name]:
+    def _fastest(self) -> Candidate:
+        """The first candidate, unless another is faster by :data:`PREFER_MARGIN`."""
+        best = min(self._others, key=lambda c: self.timings[c.name])
+        if self.timings[best.name] * PREFER_MARGIN < self.timings[self._first.name]:
             return best
-        return first
+        return self._first
 
 
 def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) -> str:
