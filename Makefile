@@ -13,10 +13,11 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed  ## train LeNet5 on the bundled MNIST sample with sinking
 	$(PY) -m sinkax train
 
-test: $(VENV)/.installed  ## lint + the fast test suite (what CI runs)
+test: $(VENV)/.installed  ## lint + the fast test suite + the docs site (what CI runs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+	$(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 slow: $(VENV)/.installed  ## the slow tests too
 	$(PY) -m pytest -q -m ''
