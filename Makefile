@@ -17,7 +17,7 @@ test: $(VENV)/.installed  ## lint + the fast test suite + the docs site (what CI
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
-	$(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
+	$(PY) -m mkdocs build --strict --site-dir $(VENV)/site
 
 slow: $(VENV)/.installed  ## the slow tests too
 	$(PY) -m pytest -q -m ''
