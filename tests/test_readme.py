@@ -40,3 +40,8 @@ def test_flax_example_learns():
     result = ast.literal_eval(printed[-1])
     assert set(result) == {"loss", "accuracy"}
     assert result["accuracy"] > 0.5, result  # ten classes: chance is 0.1
+
+
+def test_docs_home_shows_the_tested_example():
+    home = (README.parent / "docs" / "index.md").read_text()
+    assert f"```python\n{readme_block('the mean loss falls every epoch')}```" in home
