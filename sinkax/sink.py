@@ -479,7 +479,7 @@ class Sink:
         )
         leaves, treedef = jax.tree.flatten(state)
         casts = [  # a weakly typed leaf would come back strongly typed: one layout from the start
-            x.astype(d) if x.weak_type or x.dtype != d else x
+            x.astype(d) if jax.typeof(x).weak_type or x.dtype != d else x
             for x, d in zip(leaves, dtypes, strict=True)
         ]
         return jax.tree.unflatten(treedef, casts)

@@ -54,6 +54,7 @@ from sinkax.executable import (
     single_step_program,
     step_program,
 )
+from sinkax.pytree import stacked_zeros
 
 NAMES = ("auto", "scan", "loop", "step")
 CLEAR_MARGIN = 1.5
@@ -135,8 +136,8 @@ class Loop:
     def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
         key = ("out_shape", layout((state, chunk)))
         out = self._compiler.memo(key, lambda: self._out_shape(state, chunk))
-        outs = jax.tree.map(lambda o: np.zeros((steps, *o.shape), o.dtype), out)
         device = jax.tree.leaves(chunk)[0].device
+        outs = stacked_zeros(out, steps, device)
         start = jax.device_put((outs, np.int32(offset), np.int32(0)), device)  # one transfer
         return (state, *start)
 
