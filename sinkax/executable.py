@@ -27,6 +27,7 @@ StableHLO and the optimised HLO of each executable to a folder.
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
 from collections.abc import Callable
@@ -52,6 +53,52 @@ def scan_program(fn: StepFn, steps: int, unroll: int = 1) -> Callable[..., tuple
 def stateless(fn: Callable[[Any], Any]) -> StepFn:
     """``fn(batch) -> out`` as a step over an empty state: eval and predict steps."""
     return lambda state, batch: (state, fn(batch))
+
+
+def check_step_form(fn: Callable[..., Any], stateful: bool) -> None:
+    """``TypeError`` naming the call form to use if ``fn`` cannot be called as a step of the
+    form the sink was called with: ``fn(state, batch)`` for ``sink(state)``, ``fn(batch)`` for
+    ``sink()``. Functions without a signature pass.
+
+    >>> check_step_form(lambda b: b, stateful=True)
+    Traceback (most recent call last):
+    ...
+    TypeError: sink(state) runs a step fn(state, batch) -> (state, out), but <lambda>(b) takes ...
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins, some C callables: nothing to check
+        return
+    try:
+        signature.bind(None, None) if stateful else signature.bind(None)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        if stateful:
+            raise TypeError(
+                f"sink(state) runs a step fn(state, batch) -> (state, out), but {name}"
+                f"{signature} takes no state. Call sink() for a stateless step (eval, predict): "
+                "it returns the outputs of every step."
+            ) from None
+        raise TypeError(
+            f"sink() runs a stateless step fn(batch) -> out, but {name}{signature} takes a "
+            "state. Call sink(state): it returns (state, outs), the state to pass next time."
+        ) from None
+
+
+def check_step_result(result: Any, state: Any) -> None:
+    """``TypeError`` naming the fix if ``result`` (what a step returned, concrete or abstract)
+    is not ``(state, out)`` for the ``state`` it was given."""
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        return
+    only_state = jax.tree.structure(result) == jax.tree.structure(state)
+    raise TypeError(
+        "A step function fn(state, batch) must return a pair (new_state, out), but it returned "
+        + (
+            "what looks like the new state alone. Return `state, None` if there is no output."
+            if only_state
+            else f"{type(result).__name__}. Return `state, out` (out may be None)."
+        )
+    )
 
 
 def with_leading_axis(tree: Any) -> Any:
@@ -92,7 +139,9 @@ def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[Any]:
     >>> carry_dtypes(lambda s, b: (s + b, b), 0, jnp.float32(1))
     [dtype('float32')]
     """
-    out = jax.eval_shape(fn, state, batch)[0]
+    result = jax.eval_shape(fn, state, batch)
+    check_step_result(result, state)
+    out = result[0]
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     out_leaves, out_treedef = jax.tree.flatten(out)
     if out_treedef != treedef:

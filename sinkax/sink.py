@@ -40,12 +40,14 @@ from sinkax.errors import SinkClosedError, SinkTimeoutError
 from sinkax.executable import (
     Compiler,
     carry_dtypes,
+    check_step_form,
     concat_trees,
     copy_tree,
     layout,
     scan_program,
     stateless,
 )
+from sinkax.pytree import check_alive
 from sinkax.spec import BatchSpec
 
 _NO_STATE: Any = object()
@@ -344,6 +346,7 @@ class Sink:
     # -- execution -----------------------------------------------------------------------
     def _strategy_for(self, stateful: bool) -> Any:
         if self._stateful is None:
+            check_step_form(self.fn, stateful)
             self._stateful = stateful
             fn = self.fn if stateful else stateless(self.fn)
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
@@ -470,6 +473,7 @@ class Sink:
         last call returned."""
         if state is self._returned:
             return state
+        check_alive(state)
         state = jax.device_put(state, self.device)
         if not self.jit:
             return state

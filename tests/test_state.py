@@ -114,3 +114,73 @@ def test_a_typed_key_in_a_batch_is_refused_with_the_fix():
         pytest.raises(BatchSpecError, match=r"key_data.*wrap_key_data"),
     ):
         sink(jnp.float32(0))
+
+
+# -- step forms -----------------------------------------------------------------------------------
+def test_a_step_returning_only_the_state_names_the_form(sink_options):
+    sink_size = sink_size_for(sink_options)
+    with (
+        sinkax.data_sink(lambda s, b: s + b.sum(), ones(), sink_size, **sink_options) as sink,
+        pytest.raises(TypeError, match=r"pair \(new_state, out\).*new state alone.*state, None"),
+    ):
+        sink(jnp.float32(0))
+
+
+def test_a_step_returning_a_triple_names_the_form():
+    with (
+        sinkax.data_sink(lambda s, b: (s, b, b), ones(), 2) as sink,
+        pytest.raises(TypeError, match=r"pair \(new_state, out\).*returned tuple"),
+    ):
+        sink(jnp.float32(0))
+
+
+def test_no_output_is_none():
+    with sinkax.data_sink(lambda s, b: (s + b.sum(), None), ones(), 2, strategy="loop") as sink:
+        state, outs = sink(jnp.float32(0))
+    assert float(state) == 3.0 and outs is None
+
+
+def test_a_stateful_step_called_without_a_state_says_to_pass_one():
+    with sinkax.data_sink(lambda s, b: (s, b), ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"takes a state\. Call sink\(state\)"):
+            sink()
+        state, _ = sink(jnp.float32(0))  # the refused call decided nothing
+    assert float(state) == 0.0
+
+
+def test_a_stateless_step_called_with_a_state_says_to_call_without():
+    def evaluate(batch):
+        return batch.sum()
+
+    with sinkax.data_sink(evaluate, ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"evaluate\(batch\) takes no state\. Call sink\(\)"):
+            sink(jnp.float32(0))
+        np.testing.assert_allclose(sink(), [0.0, 3.0])
+
+
+# -- donation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["scan", "step"])
+def test_passing_a_donated_state_again_is_refused_with_the_fix(strategy):
+    sink_size = 1 if strategy == "step" else 2
+    old = {"w": jnp.zeros(()), "rngs": jax.random.key(0)}
+    with sinkax.data_sink(nnx_like_step, ones(), sink_size, strategy=strategy) as sink:
+        new, _ = sink(old)
+        position = sink.data_state()
+        with pytest.raises(
+            ValueError, match=r"donated to an earlier call.*use the one it returned"
+        ):
+            sink(old)
+        assert sink.data_state() == position  # nothing ran
+        new, _ = sink(new)
+    assert float(new["w"]) == sum(range(2 * sink_size)) * 3
+
+
+def test_a_deleted_state_is_refused_on_the_first_call_whatever_the_strategy(sink_options):
+    state = {"w": jnp.zeros(()), "rngs": jax.random.key(0)}
+    state["rngs"].delete()
+    with sinkax.data_sink(nnx_like_step, ones(), sink_size_for(sink_options), **sink_options) as s:
+        with pytest.raises(ValueError, match=r"donated.*leaf \['rngs'\] is deleted"):
+            s(state)
+        assert s.step == 0
+        fresh, _ = s({"w": jnp.zeros(()), "rngs": jax.random.key(0)})
+    assert float(fresh["w"]) == sum(range(sink_size_for(sink_options))) * 3
