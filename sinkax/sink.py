@@ -413,6 +413,8 @@ class Sink:
         try:
             self._check_open()
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
+            if self.jit:  # compiled constants: refuse stale ones
+                self._compiler.check_captures()
             stateful = state is not _NO_STATE
             run = self._strategy_for(stateful)
             if self._resync:  # an interrupted call consumed data it never delivered: rewind
