@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sinkax.pytree import Static, partition
+
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
 
 
@@ -103,6 +105,26 @@ def check_step_result(result: Any, state: Any) -> None:
             else f"{type(result).__name__}. Return `state, out` (out may be None)."
         )
     )
+
+
+def with_static(fn: StepFn, static: Static) -> StepFn:
+    """``fn`` as a step over the array part of its state (:func:`sinkax.pytree.partition`),
+    the ``static`` rest (functions, flags) put back around it: what ``eqx.filter_jit`` does."""
+
+    def step(arrays: Any, batch: Any) -> tuple[Any, Any]:
+        state = static.combine(arrays)
+        result = fn(state, batch)
+        check_step_result(result, state)
+        arrays, rest = partition(result[0])
+        if not static.same(rest):
+            raise TypeError(
+                "The step function changed the state's non-array leaves (functions, flags, "
+                "other Python objects): a sink compiles them in, as constants. Return them as "
+                "they came in; values that change must be arrays."
+            )
+        return arrays, result[1]
+
+    return step
 
 
 def with_leading_axis(tree: Any) -> Any:
@@ -293,6 +315,11 @@ class Compiler:
                 f"replaced. {_CARRY_ARRAYS}",
                 stacklevel=4,
             )
+
+    def specialise(self, key: Any) -> None:
+        """From now on cache under ``key`` too: for a step function wrapped around constants
+        (a state's static leaves) that the argument layouts do not show."""
+        self._cache = self._cache.setdefault(("specialised", key), {})
 
     def check_captures(self) -> None:
         """``ValueError`` if the arrays the step function captures were replaced since its

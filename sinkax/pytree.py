@@ -12,6 +12,7 @@ buffers of extended dtypes on the device, so that the rest of sinkax needs no sp
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -71,3 +72,72 @@ def check_alive(state: Any) -> None:
             "`state` to the next call. To run several calls from one starting state, pass each "
             "a copy: `sink(jax.tree.map(jnp.copy, state))`."
         )
+
+
+def is_array(leaf: Any) -> bool:
+    """Whether a sink carries ``leaf`` as data: an array (or its abstract value), or a Python
+    number (weakly typed).
+
+    A Python ``bool`` is a flag (``eqx.nn.Dropout.inference``, for instance), not data: it
+    stays a Python value, with functions and every other object (see :func:`partition`).
+    """
+    data = jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic | int | float | complex
+    return isinstance(leaf, data) and not isinstance(leaf, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """The leaves of a state that are not arrays (functions, flags...), and where they go."""
+
+    treedef: Any
+    where: tuple[int, ...]  # their positions among the leaves
+    leaves: tuple[Any, ...]
+
+    def combine(self, arrays: Any) -> Any:
+        """The state: the array part ``arrays`` (``None`` in the holes) with these leaves."""
+        leaves = jax.tree.leaves(arrays)
+        for i, leaf in zip(self.where, self.leaves, strict=True):
+            leaves.insert(i, leaf)
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def same(self, other: Static | None) -> bool:
+        """Whether ``other`` holds the same leaves (by identity or equality) in the same places."""
+        return (
+            other is not None
+            and (self.treedef, self.where) == (other.treedef, other.where)
+            and all(a is b or _equal(a, b) for a, b in zip(self.leaves, other.leaves, strict=True))
+        )
+
+    @property
+    def key(self) -> Any:
+        """A hashable stand-in for these leaves (a new object if some are unhashable)."""
+        try:
+            hash(self.leaves)
+        except TypeError:
+            return object()
+        return (self.treedef, self.where, self.leaves)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an __eq__ that fails or returns something ambiguous: not the same
+        return False
+
+
+def partition(state: Any) -> tuple[Any, Static | None]:
+    """``(arrays, static)``: the array leaves of ``state`` (``None`` in place of the others)
+    and the others (:class:`Static`), as ``eqx.partition(state, eqx.is_array)`` gives them; or
+    ``(state, None)`` when every leaf is an array (see :func:`is_array`).
+
+    >>> arrays, static = partition({"w": np.ones(2), "act": np.tanh})
+    >>> arrays["act"] is None, static.combine(arrays)["act"] is np.tanh
+    (True, True)
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    where = tuple(i for i, leaf in enumerate(leaves) if not is_array(leaf))
+    if not where:
+        return state, None
+    holes = [None if i in where else leaf for i, leaf in enumerate(leaves)]
+    static = Static(treedef, where, tuple(leaves[i] for i in where))
+    return jax.tree.unflatten(treedef, holes), static

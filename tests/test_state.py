@@ -2,6 +2,7 @@
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,3 +241,104 @@ def test_a_partial_over_params_warns_that_each_one_compiles_again():
         sinkax.data_sink(functools.partial(plain, jnp.eye(3)), labelled(), -1) as sink,
     ):
         assert set(sink()) == {"loss", "accuracy"}
+
+
+# -- equinox modules ------------------------------------------------------------------------------
+def eqx_regression(n: int = 6) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(8, 3)).astype(np.float32) for _ in range(n)]
+    return [(x, np.tanh(x.sum(1, keepdims=True))) for x in xs]
+
+
+EQX_OPTIMIZER = optax.adam(1e-2)
+
+
+def eqx_train_step(state, batch):
+    """The equinox way: a module (with its activation functions) and the optimizer state."""
+    model, opt_state = state
+    x, y = batch
+
+    def loss_fn(m):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    updates, opt_state = EQX_OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return (eqx.apply_updates(model, updates), opt_state), loss
+
+
+def eqx_reference(model, data, steps):
+    state, losses, step = (model, EQX_OPTIMIZER.init(eqx.filter(model, eqx.is_array))), [], None
+    step = eqx.filter_jit(eqx_train_step)
+    for i in range(steps):
+        state, loss = step(state, data[i % len(data)])
+        losses.append(float(loss))
+    return state[0], losses
+
+
+def test_an_equinox_mlp_trains_as_with_filter_jit(sink_options):
+    data, sink_size = eqx_regression(), sink_size_for(sink_options)
+    model = eqx.nn.MLP(3, 1, 8, 2, activation=jax.nn.tanh, key=jax.random.key(0))
+    expected_model, expected = eqx_reference(model, data, 3 * sink_size)
+    state, got = (model, EQX_OPTIMIZER.init(eqx.filter(model, eqx.is_array))), []
+    with sinkax.data_sink(eqx_train_step, data, sink_size, **sink_options) as sink:
+        for _ in range(3):
+            state, loss = sink(state)
+            got.extend(np.asarray(loss).tolist())
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert isinstance(state[0], eqx.nn.MLP) and state[0].activation is jax.nn.tanh
+    np.testing.assert_allclose(state[0].layers[0].weight, expected_model.layers[0].weight, 1e-5)
+
+
+def test_a_filtered_equinox_model_trains_as_with_filter_jit():
+    data = eqx_regression()
+    model = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
+    expected_model, expected = eqx_reference(model, data, 6)
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def step(state, batch):  # the user filters: only arrays in the state
+        (model, opt_state), loss = eqx_train_step((eqx.combine(state[0], static), state[1]), batch)
+        return (eqx.filter(model, eqx.is_array), opt_state), loss
+
+    state = (params, EQX_OPTIMIZER.init(params))
+    with sinkax.data_sink(step, data, 3) as sink:
+        state, first = sink(state)
+        state, second = sink(state)
+    np.testing.assert_allclose(np.concatenate([first, second]), expected, rtol=1e-5)
+    trained = eqx.combine(state[0], static)
+    np.testing.assert_allclose(trained.layers[2].bias, expected_model.layers[2].bias, rtol=1e-5)
+
+
+def test_modules_differing_only_in_functions_do_not_share_executables():
+    data = eqx_regression()
+
+    def predict(model, batch):
+        return model, jax.vmap(model)(batch[0])
+
+    for activation in (jax.nn.relu, jax.nn.tanh):
+        model = eqx.nn.MLP(3, 1, 8, 2, activation=activation, key=jax.random.key(0))
+        with sinkax.data_sink(predict, data, 2, strategy="scan") as sink:
+            model, outs = sink(model)
+            with pytest.raises(TypeError, match=r"non-array leaves.*differ"):
+                sink(eqx.tree_at(lambda m: m.activation, model, jax.nn.sigmoid))
+        np.testing.assert_allclose(
+            outs,
+            jax.vmap(jax.vmap(model))(np.stack([data[0][0], data[1][0]])),
+            rtol=1e-4,
+            atol=1e-6,
+        )
+
+
+def test_a_dropout_flag_and_key_in_an_equinox_state():
+    data = eqx_regression()
+    dropout = eqx.nn.Dropout(0.5)  # `inference` is a Python bool: static, not traced
+
+    def step(state, batch):
+        layer, key = state
+        key, sub = jax.random.split(key)
+        return (layer, key), layer(batch[0], key=sub).sum()
+
+    with sinkax.data_sink(step, data, 2) as sink:
+        (layer, key), outs = sink((dropout, jax.random.key(0)))
+        (layer, key), _ = sink((layer, key))
+    assert layer.inference is False and np.asarray(outs).shape == (2,)
+    assert not np.allclose(outs, [x.sum() for x, _ in data[:2]])  # dropped and rescaled
