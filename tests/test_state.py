@@ -342,3 +342,44 @@ def test_a_dropout_flag_and_key_in_an_equinox_state():
         (layer, key), _ = sink((layer, key))
     assert layer.inference is False and np.asarray(outs).shape == (2,)
     assert not np.allclose(outs, [x.sum() for x, _ in data[:2]])  # dropped and rescaled
+
+
+# -- resuming a plain iterable --------------------------------------------------------------------
+class Loader:
+    """A torch-style loader: a new order every pass, from the pass count of all loaders (no
+    seed, like torch's default generator), or from the epoch (seeded)."""
+
+    passes = 0
+
+    def __init__(self, seeded: bool, n: int = 10):
+        self.seeded, self.n, self.epoch = seeded, n, 0
+
+    def __iter__(self):
+        seed = self.epoch if self.seeded else Loader.passes
+        Loader.passes += 1
+        self.epoch += 1
+        for i in np.random.default_rng(seed).permutation(self.n):
+            yield {"index": np.int32(i)}
+
+
+def seen(sink, calls):
+    return np.concatenate([sink() for _ in range(calls)]).tolist()
+
+
+def test_resuming_a_loader_that_reshuffles_without_a_seed_is_refused_with_the_fix():
+    with sinkax.data_sink(lambda b: b["index"], Loader(seeded=False), 3) as sink:
+        seen(sink, 1)
+        saved = sink.data_state()
+    assert "fingerprint" in saved["source"]
+    with pytest.raises(ValueError, match=r"reshuffles without a seed.*grain MapDataset"):
+        sinkax.data_sink(lambda b: b["index"], Loader(seeded=False), 3, data_state=saved)
+
+
+def test_resuming_a_seeded_loader_replays_exactly():
+    step = lambda b: b["index"]  # noqa: E731
+    with sinkax.data_sink(step, Loader(seeded=True), 3) as sink:
+        seen(sink, 2)
+        saved = sink.data_state()
+        expected = seen(sink, 2)
+    with sinkax.data_sink(step, Loader(seeded=True), 3, data_state=saved) as sink:
+        assert seen(sink, 2) == expected
