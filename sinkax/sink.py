@@ -254,7 +254,7 @@ class Sink:
         self._in_flight: tuple[Any, Any] | None = None
         self._chunk: Chunk | None = None  # being consumed, piece by piece
         self._returned: Any = None  # the state the last call returned (its array part)
-        self._handed_back: Any = None  # ... and as returned, with its static leaves
+        self._handed_back: Any = (None, None)  # the last returned state, and its array part
         self._static: Static | None = None  # the state's non-array leaves, from the first call
         self._piece = self._offset = 0
         self._resync = False
@@ -372,8 +372,9 @@ class Sink:
     def _partition(self, state: Any) -> tuple[Any, Static | None]:
         """:func:`~sinkax.pytree.partition` of ``state``; free for the state the last call
         returned."""
-        if state is self._handed_back:
-            return self._returned, self._static
+        handed_back, arrays = self._handed_back
+        if state is handed_back:
+            return arrays, self._static
         return partition(state)
 
     def _finish_in_flight(self) -> None:
@@ -472,6 +473,8 @@ class Sink:
             # also drops the guarded state, so that its arrays are freed here, while held.)
             guarded = interrupt.guard(interrupt.DISPATCHED)
             self._returned = carry  # frees the last call's state, while a Ctrl-C is held
+            returned = carry if static is None else static.combine(carry)  # static: put back
+            self._handed_back = (returned, carry)
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException:
             if guarded:
@@ -489,10 +492,7 @@ class Sink:
         self._running = False
         if guarded:
             interrupt.GUARD.state = None
-        if not stateful:
-            return outs
-        self._handed_back = carry if static is None else static.combine(carry)
-        return self._handed_back, outs
+        return (returned, outs) if stateful else outs
 
     def _on_device(self, state: Any) -> Any:
         """``state`` on the sink's device, its weakly typed leaves (Python numbers) given the
