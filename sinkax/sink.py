@@ -40,12 +40,15 @@ from sinkax.errors import SinkClosedError, SinkTimeoutError
 from sinkax.executable import (
     Compiler,
     carry_dtypes,
+    check_step_form,
     concat_trees,
     copy_tree,
     layout,
     scan_program,
     stateless,
+    with_static,
 )
+from sinkax.pytree import Static, check_alive, partition
 from sinkax.spec import BatchSpec
 
 _NO_STATE: Any = object()
@@ -246,10 +249,13 @@ class Sink:
             raise
         self._compiler = Compiler(fn, save_graphs=save_graphs or context.graphs_folder())
         self._strategy: Any = None
+        self._step: Any = None  # the step function the strategy runs
         self._stateful: bool | None = None
         self._in_flight: tuple[Any, Any] | None = None
         self._chunk: Chunk | None = None  # being consumed, piece by piece
-        self._returned: Any = None  # the state the last call returned
+        self._returned: Any = None  # the state the last call returned (its array part)
+        self._handed_back: Any = (None, None)  # the last returned state, and its array part
+        self._static: Static | None = None  # the state's non-array leaves, from the first call
         self._piece = self._offset = 0
         self._resync = False
         self._running = False  # whether a call is running
@@ -342,15 +348,34 @@ class Sink:
         return self.sink_size if self.sink_size > 0 else self.epoch_length
 
     # -- execution -----------------------------------------------------------------------
-    def _strategy_for(self, stateful: bool) -> Any:
+    def _strategy_for(self, stateful: bool, static: Static | None) -> Any:
         if self._stateful is None:
-            self._stateful = stateful
+            check_step_form(self.fn, stateful)
+            self._stateful, self._static = stateful, static
             fn = self.fn if stateful else stateless(self.fn)
+            if static is not None:  # an equinox module, say: compile around its functions
+                fn = with_static(fn, static)
+                self._compiler.specialise(static.key)
+            self._step = fn
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")
+        elif not (static is self._static or (static and static.same(self._static))):
+            raise TypeError(
+                "The state's non-array leaves (functions, flags, other Python objects) differ "
+                "from those of the first call; a sink compiles them in. Pass the state the last "
+                "call returned, or create a new sink for another model."
+            )
         return self._strategy
+
+    def _partition(self, state: Any) -> tuple[Any, Static | None]:
+        """:func:`~sinkax.pytree.partition` of ``state``; free for the state the last call
+        returned."""
+        handed_back, arrays = self._handed_back
+        if state is handed_back:
+            return arrays, self._static
+        return partition(state)
 
     def _finish_in_flight(self) -> None:
         """Wait for the last dispatched chunk's compute, then free its device slot.
@@ -410,11 +435,14 @@ class Sink:
         try:
             self._check_open()
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
+            if self.jit:  # compiled constants: refuse stale ones
+                self._compiler.check_captures()
             stateful = state is not _NO_STATE
-            run = self._strategy_for(stateful)
+            arrays, static = self._partition(state) if stateful else ((), None)
+            run = self._strategy_for(stateful, static)
             if self._resync:  # an interrupted call consumed data it never delivered: rewind
                 self.restore_data_state(self._committed)
-            carry = () if not stateful else self._on_device(state)
+            carry = () if not stateful else self._on_device(arrays)
             t_call, wait_before = time.perf_counter(), self._data_wait_s
             while True:
                 chunk = self._current_chunk()
@@ -445,6 +473,8 @@ class Sink:
             # also drops the guarded state, so that its arrays are freed here, while held.)
             guarded = interrupt.guard(interrupt.DISPATCHED)
             self._returned = carry  # frees the last call's state, while a Ctrl-C is held
+            returned = carry if static is None else static.combine(carry)  # static: put back
+            self._handed_back = (returned, carry)
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException:
             if guarded:
@@ -462,7 +492,7 @@ class Sink:
         self._running = False
         if guarded:
             interrupt.GUARD.state = None
-        return (carry, outs) if stateful else outs
+        return (returned, outs) if stateful else outs
 
     def _on_device(self, state: Any) -> Any:
         """``state`` on the sink's device, its weakly typed leaves (Python numbers) given the
@@ -470,16 +500,17 @@ class Sink:
         last call returned."""
         if state is self._returned:
             return state
+        check_alive(state)
         state = jax.device_put(state, self.device)
         if not self.jit:
             return state
         batch = self._ring.first_spec(self.timeout).abstract
         dtypes = self._compiler.memo(
-            ("carry", layout((state, batch))), lambda: carry_dtypes(self.fn, state, batch)
+            ("carry", layout((state, batch))), lambda: carry_dtypes(self._step, state, batch)
         )
         leaves, treedef = jax.tree.flatten(state)
         casts = [  # a weakly typed leaf would come back strongly typed: one layout from the start
-            x.astype(d) if x.weak_type or x.dtype != d else x
+            x.astype(d) if jax.typeof(x).weak_type or x.dtype != d else x
             for x, d in zip(leaves, dtypes, strict=True)
         ]
         return jax.tree.unflatten(treedef, casts)
@@ -503,7 +534,8 @@ class Sink:
         if state is _NO_STATE:
             fn, state = stateless(self.fn), ()
         else:
-            fn = self.fn
+            state, static = partition(state)
+            fn = self.fn if static is None else with_static(self.fn, static)
         return Compiler.lower(scan_program(fn, steps), state, spec.stacked(steps), 0)
 
     @property

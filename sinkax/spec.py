@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from sinkax.errors import BatchSpecError
+from sinkax.pytree import is_extended
 
 _NOT_ON_DEVICE = "USOMm"  # numpy kinds: str, bytes, object, datetime, timedelta
 
@@ -41,8 +42,16 @@ class BatchSpec:
     def of(cls, batch: Any) -> BatchSpec:
         """The spec of ``batch`` (a pytree of array-likes)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
-        leaves = [np.asarray(leaf) for _, leaf in flat]
         paths = tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in flat)
+        for path, (_, leaf) in zip(paths, flat, strict=True):
+            if is_extended(getattr(leaf, "dtype", None)):
+                raise BatchSpecError(
+                    f"Batch leaf {path} has dtype {leaf.dtype}, a JAX extended dtype (a typed "
+                    "PRNG key) that the host-side data channel (numpy) cannot hold. Put "
+                    "`jax.random.key_data(key)` in the batch and `jax.random.wrap_key_data` it "
+                    "in the step, or keep the key in the state and split it there."
+                )
+        leaves = [np.asarray(leaf) for _, leaf in flat]
         for path, leaf in zip(paths, leaves, strict=True):
             if leaf.dtype.kind in _NOT_ON_DEVICE:
                 raise BatchSpecError(

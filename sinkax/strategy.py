@@ -49,11 +49,13 @@ import numpy as np
 from sinkax.executable import (
     Compiler,
     StepFn,
+    check_step_result,
     layout,
     scan_program,
     single_step_program,
     step_program,
 )
+from sinkax.pytree import stacked_zeros
 
 NAMES = ("auto", "scan", "loop", "step")
 CLEAR_MARGIN = 1.5
@@ -135,8 +137,8 @@ class Loop:
     def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
         key = ("out_shape", layout((state, chunk)))
         out = self._compiler.memo(key, lambda: self._out_shape(state, chunk))
-        outs = jax.tree.map(lambda o: np.zeros((steps, *o.shape), o.dtype), out)
         device = jax.tree.leaves(chunk)[0].device
+        outs = stacked_zeros(out, steps, device)
         start = jax.device_put((outs, np.int32(offset), np.int32(0)), device)  # one transfer
         return (state, *start)
 
@@ -204,7 +206,9 @@ class Eager:
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         outs = []
         for i in range(offset, offset + steps):
-            state, out = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
+            result = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
+            check_step_result(result, state)
+            state, out = result
             outs.append(out)
         return state, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import grain
+import jax
+import numpy as np
 from grain.experimental import get_next_index
 
 
@@ -142,6 +145,24 @@ class MapDatasetSource:
             executor.shutdown(wait=True)
 
 
+def fingerprint(batch: Any) -> str:
+    """A short hash of ``batch``: its leaves' shapes, dtypes and up to ~256 evenly spaced values
+    each (enough to tell reshuffled batches apart, cheap for large ones).
+
+    >>> fingerprint({"x": np.arange(4)}) == fingerprint({"x": np.arange(4)})
+    True
+    >>> fingerprint({"x": np.arange(4)}) == fingerprint({"x": np.arange(4)[::-1]})
+    False
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for leaf in jax.tree.leaves(batch):
+        values = np.asarray(leaf)
+        flat = values.reshape(-1)
+        digest.update(f"{values.shape}{values.dtype.str}".encode())
+        digest.update(np.ascontiguousarray(flat[:: max(1, flat.size // 256)]).tobytes())
+    return digest.hexdigest()
+
+
 class IterableSource:
     """Any re-iterable: one pass is one epoch, iterated again for the next."""
 
@@ -154,6 +175,10 @@ class IterableSource:
         self._passes = 1  # iterators made: a one-shot iterator yields nothing after the first
         self._pass_done = False
         self.position = Position(0, 0)
+        # a replay is checked against the saved run's batches, unless every pass is alike
+        self._fingerprinted = not isinstance(dataset, Sequence)
+        self._first: str | None = None  # fingerprint of this epoch's first batch
+        self._last: Any = None  # the last batch read
 
     def __next__(self) -> Any:
         if self._pass_done:  # a sized pass ends after len() batches
@@ -175,6 +200,10 @@ class IterableSource:
             except StopIteration:
                 raise self._no_batch_error() from None
         self.position = Position(self.position.epoch, self.position.step + 1)
+        if self._fingerprinted:
+            self._last = batch
+            if self.position.step == 1:
+                self._first = fingerprint(batch)
         if self.position.step == self.epoch_length:  # the next batch starts the next epoch
             self.position = Position(self.position.epoch + 1, 0)
             self._pass_done = True
@@ -200,7 +229,13 @@ class IterableSource:
                 state["iterator_base64"] = base64.b64encode(saved).decode("ascii")
             else:
                 state["iterator"] = saved
+        elif self._fingerprinted and self.position.step > 0:  # a restore replays: check it
+            state["fingerprint"] = self._prefix_fingerprint()
         return state
+
+    def _prefix_fingerprint(self) -> str:
+        """Fingerprints of the first and the last batch read in this epoch."""
+        return f"{self._first}:{fingerprint(self._last)}"
 
     def check_state(self, state: Any) -> None:
         position = [state.get(key) for key in ("epoch", "step")] if isinstance(state, dict) else []
@@ -225,6 +260,17 @@ class IterableSource:
         else:  # no checkpointable iterator: replay this epoch up to the saved step
             for _ in range(step):
                 next(self)
+            saved_fingerprint = state.get("fingerprint")
+            if saved_fingerprint and saved_fingerprint != self._prefix_fingerprint():
+                raise ValueError(
+                    f"Resuming replayed the first {step} batches of epoch {epoch}, but they "
+                    "differ from those the saved run read: the dataset reshuffles without a "
+                    "seed (or changed), so the resumed run would repeat some examples and skip "
+                    "others. Give a dataset whose order a seed fixes: a grain MapDataset "
+                    "(`.shuffle(seed=...)`, restored exactly), or a loader seeded per epoch "
+                    "(torch: a DataLoader whose generator is seeded with the epoch). To resume "
+                    "inexactly anyway, delete the 'fingerprint' key from the saved state."
+                )
 
     def close(self) -> None:
         getattr(self._iterator, "close", lambda: None)()

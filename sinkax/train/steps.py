@@ -204,15 +204,27 @@ def make_eval_step(
     metrics: Sequence[str] | Mapping[str, Metric] = ("accuracy",),
     input_key: str = "image",
     label_key: str = "label",
-) -> Callable[[Any, Any], dict[str, jax.Array]]:
+    carry_params: bool = False,
+) -> Callable[[Any, Any], Any]:
     """``eval_step(params, batch) -> {"loss", *metrics}``, each the mean over the batch.
 
-    For a stateless sink, close over the params: ``data_sink(partial(eval_step, params), ...)``.
+    With ``carry_params=True`` it returns ``(params, metrics)``: a step for a sink that carries
+    the params through as its state, so that one executable serves every evaluation (params
+    closed over, as in ``partial(eval_step, params)``, are compiled in as constants: each new
+    partial compiles again). The sink donates the params it is given: pass a copy of params
+    that are still needed.
 
     >>> eval_step = make_eval_step(lambda p, x: x @ p)
     >>> m = eval_step(jnp.eye(2), (jnp.array([[2.0, 0.0], [0.0, 1.0]]), jnp.array([0, 0])))
     >>> sorted(m), float(m["accuracy"])
     (['accuracy', 'loss'], 0.5)
+    >>> import numpy as np, sinkax
+    >>> test_set = [(np.eye(2, dtype=np.float32), np.array([0, 1]))] * 3
+    >>> evaluate = make_eval_step(lambda p, x: x @ p, carry_params=True)  # once
+    >>> with sinkax.data_sink(evaluate, test_set, sink_size=-1) as sink:
+    ...     _, m = sink(jax.tree.map(jnp.copy, jnp.eye(2)))  # a copy: the sink donates it
+    >>> m["accuracy"].tolist()
+    [1.0, 1.0, 1.0]
     """
     fns = resolve_metrics(metrics)
 
@@ -223,4 +235,10 @@ def make_eval_step(
         results.update({name: fn(logits, y) for name, fn in fns.items()})
         return results
 
-    return eval_step
+    if not carry_params:
+        return eval_step
+
+    def carrying_eval_step(params: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
+        return params, eval_step(params, batch)
+
+    return carrying_eval_step

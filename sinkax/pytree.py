@@ -1,0 +1,143 @@
+"""Leaves as JAX sees them, extended dtypes included: what a sink reads of a state's leaves.
+
+A state may hold typed PRNG keys (``jax.random.key``: dtype ``key<fry>``), or any other
+``jax.dtypes.extended`` dtype, beside ordinary arrays. numpy cannot hold those, and they have no
+``weak_type`` attribute: this module reads a leaf's abstract value with ``jax.typeof`` and builds
+buffers of extended dtypes on the device, so that the rest of sinkax needs no special case.
+
+>>> import jax
+>>> is_extended(jax.random.key(0).dtype), is_extended(np.dtype("float32"))
+(True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_extended(dtype: Any) -> bool:
+    """Whether ``dtype`` is a JAX extended dtype (a typed PRNG key's, for instance), which
+    numpy cannot hold."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def stacked_zeros(tree: Any, steps: int, device: jax.Device) -> Any:
+    """Zero buffers for ``steps`` stacked leaves of the abstract ``tree``, to ``device_put`` to
+    ``device`` in one transfer: numpy arrays, except for extended dtypes (typed keys), which
+    numpy cannot hold and are built on ``device`` directly.
+
+    >>> key = jax.eval_shape(jax.random.key, 0)
+    >>> out = {"loss": jax.ShapeDtypeStruct((), np.float32), "key": key}
+    >>> bufs = jax.device_put(stacked_zeros(out, 3, jax.devices()[0]))
+    >>> bufs["loss"].shape, bufs["key"].shape, str(bufs["key"].dtype)
+    ((3,), (3,), 'key<fry>')
+    """
+
+    def zeros(x: Any) -> Any:
+        shape = (steps, *x.shape)
+        if is_extended(x.dtype):
+            return jnp.zeros(shape, x.dtype, device=device)
+        return np.zeros(shape, x.dtype)
+
+    return jax.tree.map(zeros, tree)
+
+
+def deleted_leaf(tree: Any) -> str | None:
+    """The path of the first leaf of ``tree`` whose buffer was deleted (donated to a call that
+    consumed it), or ``None`` if every array is alive.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.zeros(2); x.delete()
+    >>> deleted_leaf({"w": jnp.ones(2), "b": x}), deleted_leaf({"w": jnp.ones(2)})
+    ("['b']", None)
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            return jax.tree_util.keystr(path) or "<root>"
+    return None
+
+
+def check_alive(state: Any) -> None:
+    """``ValueError`` naming the fix if a leaf of ``state`` was donated to an earlier call."""
+    path = deleted_leaf(state)
+    if path is not None:
+        raise ValueError(
+            f"This state was donated to an earlier call, which consumed it (leaf {path} is "
+            "deleted); use the one it returned: `state, outs = sink(state)`, then pass that "
+            "`state` to the next call. To run several calls from one starting state, pass each "
+            "a copy: `sink(jax.tree.map(jnp.copy, state))`."
+        )
+
+
+def is_array(leaf: Any) -> bool:
+    """Whether a sink carries ``leaf`` as data: an array (or its abstract value), or a Python
+    number (weakly typed).
+
+    A Python ``bool`` is a flag (``eqx.nn.Dropout.inference``, for instance), not data: it
+    stays a Python value, with functions and every other object (see :func:`partition`).
+    """
+    data = jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic | int | float | complex
+    return isinstance(leaf, data) and not isinstance(leaf, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """The leaves of a state that are not arrays (functions, flags...), and where they go."""
+
+    treedef: Any
+    where: tuple[int, ...]  # their positions among the leaves
+    leaves: tuple[Any, ...]
+
+    def combine(self, arrays: Any) -> Any:
+        """The state: the array part ``arrays`` (``None`` in the holes) with these leaves."""
+        leaves = jax.tree.leaves(arrays)
+        for i, leaf in zip(self.where, self.leaves, strict=True):
+            leaves.insert(i, leaf)
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def same(self, other: Static | None) -> bool:
+        """Whether ``other`` holds the same leaves (by identity or equality) in the same places."""
+        return (
+            other is not None
+            and (self.treedef, self.where) == (other.treedef, other.where)
+            and all(a is b or _equal(a, b) for a, b in zip(self.leaves, other.leaves, strict=True))
+        )
+
+    @property
+    def key(self) -> Any:
+        """A hashable stand-in for these leaves (a new object if some are unhashable)."""
+        try:
+            hash(self.leaves)
+        except TypeError:
+            return object()
+        return (self.treedef, self.where, self.leaves)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an __eq__ that fails or returns something ambiguous: not the same
+        return False
+
+
+def partition(state: Any) -> tuple[Any, Static | None]:
+    """``(arrays, static)``: the array leaves of ``state`` (``None`` in place of the others)
+    and the others (:class:`Static`), as ``eqx.partition(state, eqx.is_array)`` gives them; or
+    ``(state, None)`` when every leaf is an array (see :func:`is_array`).
+
+    >>> arrays, static = partition({"w": np.ones(2), "act": np.tanh})
+    >>> arrays["act"] is None, static.combine(arrays)["act"] is np.tanh
+    (True, True)
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    where = tuple(i for i, leaf in enumerate(leaves) if not is_array(leaf))
+    if not where:
+        return state, None
+    holes = [None if i in where else leaf for i, leaf in enumerate(leaves)]
+    static = Static(treedef, where, tuple(leaves[i] for i in where))
+    return jax.tree.unflatten(treedef, holes), static

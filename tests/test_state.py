@@ -1,0 +1,385 @@
+"""What a sink's state may be: typed PRNG keys, equinox modules, donated states, step forms."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import sinkax
+from sinkax.errors import BatchSpecError
+
+# every way a sink runs its steps; "auto" is set (in `sink_options`) to try both of its
+# candidates, scan and loop, within the first calls
+STRATEGIES = {
+    "scan": {"strategy": "scan"},
+    "loop": {"strategy": "loop"},
+    "step": {"strategy": "step"},
+    "auto": {"strategy": "auto"},
+    "eager": {"jit": False},
+}
+
+
+@pytest.fixture(params=list(STRATEGIES))
+def sink_options(request, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 0.0)  # auto: every call is a trial
+    return STRATEGIES[request.param]
+
+
+def ones(n: int = 6) -> list[np.ndarray]:
+    return [np.full(3, i, np.float32) for i in range(n)]
+
+
+def sink_size_for(options: dict) -> int:
+    return 1 if options.get("strategy") == "step" else 2
+
+
+# -- typed PRNG keys ------------------------------------------------------------------------------
+def nnx_like_step(state, batch):
+    """A step whose state holds a typed key it splits every step, as nnx ``Rngs`` do."""
+    key, sub = jax.random.split(state["rngs"])
+    noise = jax.random.normal(sub, batch.shape)
+    return {"w": state["w"] + batch.sum(), "rngs": key}, (noise.sum(), sub)
+
+
+def test_a_typed_key_in_the_state_and_the_outputs_matches_a_plain_loop(sink_options):
+    data, sink_size = ones(), sink_size_for(sink_options)
+    state = {"w": jnp.float32(0), "rngs": jax.random.key(0)}
+    expected_state, expected = state, []
+    for i in range(4 * sink_size):
+        expected_state, out = jax.jit(nnx_like_step)(expected_state, data[i % len(data)])
+        expected.append(out)
+    got = []
+    with sinkax.data_sink(nnx_like_step, data, sink_size, **sink_options) as sink:
+        for _ in range(4):
+            state, out = sink(state)
+            got.append(out)
+    noise = np.concatenate([np.asarray(n) for n, _ in got])
+    np.testing.assert_allclose(noise, [float(n) for n, _ in expected], rtol=1e-6)
+    keys = jnp.concatenate([k for _, k in got])
+    assert keys.dtype == jax.random.key(0).dtype
+    np.testing.assert_array_equal(
+        jax.random.key_data(keys), jax.random.key_data(jnp.stack([k for _, k in expected]))
+    )
+    np.testing.assert_array_equal(
+        jax.random.key_data(state["rngs"]), jax.random.key_data(expected_state["rngs"])
+    )
+    assert float(state["w"]) == float(expected_state["w"])
+
+
+class DropoutTrainState(train_state.TrainState):
+    dropout_key: jax.Array
+
+
+def dropout_train_step(state, batch):
+    """A flax TrainState step with dropout, its key folded with the step count."""
+    key = jax.random.fold_in(state.dropout_key, state.step)
+
+    def loss_fn(params):
+        keep = jax.random.bernoulli(key, 0.5, batch.shape)
+        return jnp.mean(jnp.where(keep, batch * params["w"] * 2, 0.0) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_flax_train_state_with_a_dropout_key_matches_a_plain_loop(sink_options):
+    data, sink_size = ones(), sink_size_for(sink_options)
+
+    def create():
+        params = {"w": jnp.ones(3)}
+        return DropoutTrainState.create(
+            apply_fn=None, params=params, tx=optax.sgd(0.1), dropout_key=jax.random.key(1)
+        )
+
+    expected, losses = create(), []
+    for i in range(3 * sink_size):
+        expected, loss = jax.jit(dropout_train_step)(expected, data[i % len(data)])
+        losses.append(float(loss))
+    state, got = create(), []
+    with sinkax.data_sink(dropout_train_step, data, sink_size, **sink_options) as sink:
+        for _ in range(3):
+            state, loss = sink(state)
+            got.extend(np.asarray(loss).tolist())
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    np.testing.assert_allclose(state.params["w"], expected.params["w"], rtol=1e-5)
+    assert int(state.step) == 3 * sink_size
+
+
+def test_a_typed_key_in_a_batch_is_refused_with_the_fix():
+    keys = [jax.random.key(i) for i in range(4)]
+    with (
+        sinkax.data_sink(lambda s, k: (s, jax.random.key_data(k)), keys, 2) as sink,
+        pytest.raises(BatchSpecError, match=r"key_data.*wrap_key_data"),
+    ):
+        sink(jnp.float32(0))
+
+
+# -- step forms -----------------------------------------------------------------------------------
+def test_a_step_returning_only_the_state_names_the_form(sink_options):
+    sink_size = sink_size_for(sink_options)
+    with (
+        sinkax.data_sink(lambda s, b: s + b.sum(), ones(), sink_size, **sink_options) as sink,
+        pytest.raises(TypeError, match=r"pair \(new_state, out\).*new state alone.*state, None"),
+    ):
+        sink(jnp.float32(0))
+
+
+def test_a_step_returning_a_triple_names_the_form():
+    with (
+        sinkax.data_sink(lambda s, b: (s, b, b), ones(), 2) as sink,
+        pytest.raises(TypeError, match=r"pair \(new_state, out\).*returned tuple"),
+    ):
+        sink(jnp.float32(0))
+
+
+def test_no_output_is_none():
+    with sinkax.data_sink(lambda s, b: (s + b.sum(), None), ones(), 2, strategy="loop") as sink:
+        state, outs = sink(jnp.float32(0))
+    assert float(state) == 3.0 and outs is None
+
+
+def test_a_stateful_step_called_without_a_state_says_to_pass_one():
+    with sinkax.data_sink(lambda s, b: (s, b), ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"takes a state\. Call sink\(state\)"):
+            sink()
+        state, _ = sink(jnp.float32(0))  # the refused call decided nothing
+    assert float(state) == 0.0
+
+
+def test_a_stateless_step_called_with_a_state_says_to_call_without():
+    def evaluate(batch):
+        return batch.sum()
+
+    with sinkax.data_sink(evaluate, ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"evaluate\(batch\) takes no state\. Call sink\(\)"):
+            sink(jnp.float32(0))
+        np.testing.assert_allclose(sink(), [0.0, 3.0])
+
+
+# -- donation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["scan", "step"])
+def test_passing_a_donated_state_again_is_refused_with_the_fix(strategy):
+    sink_size = 1 if strategy == "step" else 2
+    old = {"w": jnp.zeros(()), "rngs": jax.random.key(0)}
+    with sinkax.data_sink(nnx_like_step, ones(), sink_size, strategy=strategy) as sink:
+        new, _ = sink(old)
+        position = sink.data_state()
+        with pytest.raises(
+            ValueError, match=r"donated to an earlier call.*use the one it returned"
+        ):
+            sink(old)
+        assert sink.data_state() == position  # nothing ran
+        new, _ = sink(new)
+    assert float(new["w"]) == sum(range(2 * sink_size)) * 3
+
+
+def test_a_deleted_state_is_refused_on_the_first_call_whatever_the_strategy(sink_options):
+    state = {"w": jnp.zeros(()), "rngs": jax.random.key(0)}
+    state["rngs"].delete()
+    with sinkax.data_sink(nnx_like_step, ones(), sink_size_for(sink_options), **sink_options) as s:
+        with pytest.raises(ValueError, match=r"donated.*leaf \['rngs'\] is deleted"):
+            s(state)
+        assert s.step == 0
+        fresh, _ = s({"w": jnp.zeros(()), "rngs": jax.random.key(0)})
+    assert float(fresh["w"]) == sum(range(sink_size_for(sink_options))) * 3
+
+
+# -- eval: params as state, not as compiled constants --------------------------------------------
+def labelled(n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [
+        (rng.normal(size=(8, 3)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32))
+        for _ in range(n)
+    ]
+
+
+def test_eval_with_carried_params_compiles_once_and_sees_each_params():
+    data, apply = labelled(), lambda p, x: x @ p
+    evaluate = sinkax.make_eval_step(apply, carry_params=True)
+    plain = sinkax.make_eval_step(apply)
+    compiles = []
+    for seed in range(3):
+        params = jax.random.normal(jax.random.key(seed), (3, 3))
+        with sinkax.data_sink(evaluate, data, sink_size=-1, strategy="scan") as sink:
+            kept, metrics = sink(jax.tree.map(jnp.copy, params))
+            compiles.append(sink.stats.compiles)
+        expected = [float(plain(params, batch)["loss"]) for batch in data]
+        np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
+        np.testing.assert_array_equal(kept, params)
+    assert compiles == [1, 0, 0]
+
+
+def test_a_step_closing_over_replaced_params_is_refused_not_run_stale():
+    data, plain = labelled(), sinkax.make_eval_step(lambda p, x: x @ p)
+    params = jnp.eye(3)
+
+    def evaluate(batch):
+        return plain(params, batch)["loss"]
+
+    with pytest.warns(UserWarning, match=r"captures arrays \(params\)"):
+        sink = sinkax.data_sink(evaluate, data, sink_size=-1, strategy="scan")
+    with sink:
+        np.testing.assert_allclose(sink(), [plain(params, b)["loss"] for b in data], rtol=1e-5)
+        params = 2 * jnp.eye(3)  # what a training loop between evaluations does
+        with pytest.raises(ValueError, match=r"replaced since it was compiled \(params\)"):
+            sink()
+        assert sink.step == 0 and sink.epoch == 1  # nothing ran
+    with pytest.warns(UserWarning), sinkax.data_sink(evaluate, data, -1, strategy="scan") as sink:
+        # a new sink of the same function compiles the new params in, not the cached old ones
+        np.testing.assert_allclose(sink(), [plain(params, b)["loss"] for b in data], rtol=1e-5)
+
+
+def test_a_partial_over_params_warns_that_each_one_compiles_again():
+    plain = sinkax.make_eval_step(lambda p, x: x @ p)
+    with (
+        pytest.warns(UserWarning, match=r"argument 0 of the partial.*compiles again"),
+        sinkax.data_sink(functools.partial(plain, jnp.eye(3)), labelled(), -1) as sink,
+    ):
+        assert set(sink()) == {"loss", "accuracy"}
+
+
+# -- equinox modules ------------------------------------------------------------------------------
+def eqx_regression(n: int = 6) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(8, 3)).astype(np.float32) for _ in range(n)]
+    return [(x, np.tanh(x.sum(1, keepdims=True))) for x in xs]
+
+
+EQX_OPTIMIZER = optax.adam(1e-2)
+
+
+def eqx_train_step(state, batch):
+    """The equinox way: a module (with its activation functions) and the optimizer state."""
+    model, opt_state = state
+    x, y = batch
+
+    def loss_fn(m):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    updates, opt_state = EQX_OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return (eqx.apply_updates(model, updates), opt_state), loss
+
+
+def eqx_reference(model, data, steps):
+    state, losses, step = (model, EQX_OPTIMIZER.init(eqx.filter(model, eqx.is_array))), [], None
+    step = eqx.filter_jit(eqx_train_step)
+    for i in range(steps):
+        state, loss = step(state, data[i % len(data)])
+        losses.append(float(loss))
+    return state[0], losses
+
+
+def test_an_equinox_mlp_trains_as_with_filter_jit(sink_options):
+    data, sink_size = eqx_regression(), sink_size_for(sink_options)
+    model = eqx.nn.MLP(3, 1, 8, 2, activation=jax.nn.tanh, key=jax.random.key(0))
+    expected_model, expected = eqx_reference(model, data, 3 * sink_size)
+    state, got = (model, EQX_OPTIMIZER.init(eqx.filter(model, eqx.is_array))), []
+    with sinkax.data_sink(eqx_train_step, data, sink_size, **sink_options) as sink:
+        for _ in range(3):
+            state, loss = sink(state)
+            got.extend(np.asarray(loss).tolist())
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert isinstance(state[0], eqx.nn.MLP) and state[0].activation is jax.nn.tanh
+    np.testing.assert_allclose(state[0].layers[0].weight, expected_model.layers[0].weight, 1e-5)
+
+
+def test_a_filtered_equinox_model_trains_as_with_filter_jit():
+    data = eqx_regression()
+    model = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
+    expected_model, expected = eqx_reference(model, data, 6)
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def step(state, batch):  # the user filters: only arrays in the state
+        (model, opt_state), loss = eqx_train_step((eqx.combine(state[0], static), state[1]), batch)
+        return (eqx.filter(model, eqx.is_array), opt_state), loss
+
+    state = (params, EQX_OPTIMIZER.init(params))
+    with sinkax.data_sink(step, data, 3) as sink:
+        state, first = sink(state)
+        state, second = sink(state)
+    np.testing.assert_allclose(np.concatenate([first, second]), expected, rtol=1e-5)
+    trained = eqx.combine(state[0], static)
+    np.testing.assert_allclose(trained.layers[2].bias, expected_model.layers[2].bias, rtol=1e-5)
+
+
+def test_modules_differing_only_in_functions_do_not_share_executables():
+    data = eqx_regression()
+
+    def predict(model, batch):
+        return model, jax.vmap(model)(batch[0])
+
+    for activation in (jax.nn.relu, jax.nn.tanh):
+        model = eqx.nn.MLP(3, 1, 8, 2, activation=activation, key=jax.random.key(0))
+        with sinkax.data_sink(predict, data, 2, strategy="scan") as sink:
+            model, outs = sink(model)
+            with pytest.raises(TypeError, match=r"non-array leaves.*differ"):
+                sink(eqx.tree_at(lambda m: m.activation, model, jax.nn.sigmoid))
+        np.testing.assert_allclose(
+            outs,
+            jax.vmap(jax.vmap(model))(np.stack([data[0][0], data[1][0]])),
+            rtol=1e-4,
+            atol=1e-6,
+        )
+
+
+def test_a_dropout_flag_and_key_in_an_equinox_state():
+    data = eqx_regression()
+    dropout = eqx.nn.Dropout(0.5)  # `inference` is a Python bool: static, not traced
+
+    def step(state, batch):
+        layer, key = state
+        key, sub = jax.random.split(key)
+        return (layer, key), layer(batch[0], key=sub).sum()
+
+    with sinkax.data_sink(step, data, 2) as sink:
+        (layer, key), outs = sink((dropout, jax.random.key(0)))
+        (layer, key), _ = sink((layer, key))
+    assert layer.inference is False and np.asarray(outs).shape == (2,)
+    assert not np.allclose(outs, [x.sum() for x, _ in data[:2]])  # dropped and rescaled
+
+
+# -- resuming a plain iterable --------------------------------------------------------------------
+class Loader:
+    """A torch-style loader: a new order every pass, from the pass count of all loaders (no
+    seed, like torch's default generator), or from the epoch (seeded)."""
+
+    passes = 0
+
+    def __init__(self, seeded: bool, n: int = 10):
+        self.seeded, self.n, self.epoch = seeded, n, 0
+
+    def __iter__(self):
+        seed = self.epoch if self.seeded else Loader.passes
+        Loader.passes += 1
+        self.epoch += 1
+        for i in np.random.default_rng(seed).permutation(self.n):
+            yield {"index": np.int32(i)}
+
+
+def seen(sink, calls):
+    return np.concatenate([sink() for _ in range(calls)]).tolist()
+
+
+def test_resuming_a_loader_that_reshuffles_without_a_seed_is_refused_with_the_fix():
+    with sinkax.data_sink(lambda b: b["index"], Loader(seeded=False), 3) as sink:
+        seen(sink, 1)
+        saved = sink.data_state()
+    assert "fingerprint" in saved["source"]
+    with pytest.raises(ValueError, match=r"reshuffles without a seed.*grain MapDataset"):
+        sinkax.data_sink(lambda b: b["index"], Loader(seeded=False), 3, data_state=saved)
+
+
+def test_resuming_a_seeded_loader_replays_exactly():
+    step = lambda b: b["index"]  # noqa: E731
+    with sinkax.data_sink(step, Loader(seeded=True), 3) as sink:
+        seen(sink, 2)
+        saved = sink.data_state()
+        expected = seen(sink, 2)
+    with sinkax.data_sink(step, Loader(seeded=True), 3, data_state=saved) as sink:
+        assert seen(sink, 2) == expected
