@@ -5,6 +5,7 @@ eval steps they run.
 >>> from sinkax.train import LossMonitor, Model, make_train_step
 """
 
+from sinkax.train.adapters import from_linen, from_nnx
 from sinkax.train.callbacks import (
     Callback,
     EvalCallback,
@@ -19,6 +20,7 @@ from sinkax.train.callbacks import (
 from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
 from sinkax.train.model import Model
 from sinkax.train.steps import (
+    StatefulApply,
     TrainState,
     accuracy,
     cross_entropy,
@@ -36,12 +38,15 @@ __all__ = [
     "ModelCheckpoint",
     "ProgressBar",
     "RunContext",
+    "StatefulApply",
     "TerminateOnNaN",
     "TimeMonitor",
     "TrainState",
     "accuracy",
     "connect_network_with_dataset",
     "cross_entropy",
+    "from_linen",
+    "from_nnx",
     "make_eval_step",
     "make_train_step",
 ]
