@@ -27,13 +27,18 @@ StableHLO and the optimised HLO of each executable to a folder.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
@@ -52,6 +57,52 @@ def scan_program(fn: StepFn, steps: int, unroll: int = 1) -> Callable[..., tuple
 def stateless(fn: Callable[[Any], Any]) -> StepFn:
     """``fn(batch) -> out`` as a step over an empty state: eval and predict steps."""
     return lambda state, batch: (state, fn(batch))
+
+
+def check_step_form(fn: Callable[..., Any], stateful: bool) -> None:
+    """``TypeError`` naming the call form to use if ``fn`` cannot be called as a step of the
+    form the sink was called with: ``fn(state, batch)`` for ``sink(state)``, ``fn(batch)`` for
+    ``sink()``. Functions without a signature pass.
+
+    >>> check_step_form(lambda b: b, stateful=True)
+    Traceback (most recent call last):
+    ...
+    TypeError: sink(state) runs a step fn(state, batch) -> (state, out), but <lambda>(b) takes ...
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins, some C callables: nothing to check
+        return
+    try:
+        signature.bind(None, None) if stateful else signature.bind(None)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        if stateful:
+            raise TypeError(
+                f"sink(state) runs a step fn(state, batch) -> (state, out), but {name}"
+                f"{signature} takes no state. Call sink() for a stateless step (eval, predict): "
+                "it returns the outputs of every step."
+            ) from None
+        raise TypeError(
+            f"sink() runs a stateless step fn(batch) -> out, but {name}{signature} takes a "
+            "state. Call sink(state): it returns (state, outs), the state to pass next time."
+        ) from None
+
+
+def check_step_result(result: Any, state: Any) -> None:
+    """``TypeError`` naming the fix if ``result`` (what a step returned, concrete or abstract)
+    is not ``(state, out)`` for the ``state`` it was given."""
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        return
+    only_state = jax.tree.structure(result) == jax.tree.structure(state)
+    raise TypeError(
+        "A step function fn(state, batch) must return a pair (new_state, out), but it returned "
+        + (
+            "what looks like the new state alone. Return `state, None` if there is no output."
+            if only_state
+            else f"{type(result).__name__}. Return `state, out` (out may be None)."
+        )
+    )
 
 
 def with_leading_axis(tree: Any) -> Any:
@@ -92,7 +143,9 @@ def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[Any]:
     >>> carry_dtypes(lambda s, b: (s + b, b), 0, jnp.float32(1))
     [dtype('float32')]
     """
-    out = jax.eval_shape(fn, state, batch)[0]
+    result = jax.eval_shape(fn, state, batch)
+    check_step_result(result, state)
+    out = result[0]
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     out_leaves, out_treedef = jax.tree.flatten(out)
     if out_treedef != treedef:
@@ -112,6 +165,12 @@ def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[Any]:
         dtypes.append(returned.dtype)
     return dtypes
 
+
+_CARRY_ARRAYS = (
+    "Carry arrays that change (params) through the sink as its state: "
+    "`fn(params, batch) -> (params, out)`, called as `params, outs = sink(params)` (for eval: "
+    "make_eval_step(..., carry_params=True)); one executable then serves every value."
+)
 
 _SAME_LAYOUT = (
     "A sink runs one compiled step on the state the last step returned: return the state with "
@@ -148,6 +207,56 @@ def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     )
 
 
+def captured_arrays(fn: Any) -> dict[str, tuple[Any, ...]]:
+    """The arrays ``fn`` compiles in as constants, by where they are: the array leaves of its
+    closure cells, of a ``functools.partial``'s arguments, and of the module globals its code
+    names (one level: not those of the functions it calls).
+
+    >>> w = jnp.ones(2)
+    >>> list(captured_arrays(functools.partial(lambda w, b: b @ w, w)))
+    ['argument 0 of the partial']
+    """
+    found: dict[str, tuple[Any, ...]] = {}
+
+    def add(where: str, value: Any) -> None:
+        leaves = tuple(x for x in jax.tree.leaves(value) if isinstance(x, jax.Array | np.ndarray))
+        if leaves:
+            found[where] = leaves
+
+    fn = inspect.unwrap(fn)
+    while isinstance(fn, functools.partial):
+        for i, arg in enumerate(fn.args):
+            add(f"argument {i} of the partial", arg)
+        for name, arg in fn.keywords.items():
+            add(f"argument {name}= of the partial", arg)
+        fn = inspect.unwrap(fn.func)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return found
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+        with contextlib.suppress(ValueError):  # an empty cell: not assigned yet
+            add(name, cell.cell_contents)
+    module = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        if name in module:
+            add(name, module[name])
+    return found
+
+
+def changed_captures(
+    before: dict[str, tuple[Any, ...]], now: dict[str, tuple[Any, ...]]
+) -> list[str]:
+    """Where ``now`` holds other arrays than ``before`` (compared by identity)."""
+    return [
+        where
+        for where in before.keys() | now.keys()
+        if len(before.get(where, ())) != len(now.get(where, ()))
+        or any(a is not b for a, b in zip(before.get(where, ()), now.get(where, ()), strict=True))
+    ]
+
+
+_CAPTURED = "captured arrays"  # the cache entry saying which arrays its executables compiled in
+
 # Executables by step function, shared by every sink of that function (a new sink over the same
 # step and layouts compiles nothing); weak keys let a function and its executables go together.
 _shared: weakref.WeakKeyDictionary[Any, dict[Any, tuple[Any, Any]]] = weakref.WeakKeyDictionary()
@@ -171,6 +280,32 @@ class Compiler:
         except TypeError:  # not weak-referenceable: cache per sink
             self._cache = {}
         self._dumped: set[Any] = set()
+        self._fn = fn
+        self._captured = captured_arrays(fn)
+        if changed_captures(self._cache.get(_CAPTURED, {}), self._captured):
+            self._cache.clear()  # compiled with other arrays in: stale for this sink
+        self._cache[_CAPTURED] = self._captured
+        if self._captured:
+            warnings.warn(
+                f"The step function {self.name} captures arrays ({', '.join(self._captured)}): "
+                "they are compiled into its executables as constants, so a new step function "
+                "per evaluation compiles again, and a sink refuses to run once they are "
+                f"replaced. {_CARRY_ARRAYS}",
+                stacklevel=4,
+            )
+
+    def check_captures(self) -> None:
+        """``ValueError`` if the arrays the step function captures were replaced since its
+        executables compiled them in: they would run with the old values."""
+        if not self._captured:
+            return
+        changed = changed_captures(self._captured, captured_arrays(self._fn))
+        if changed:
+            raise ValueError(
+                f"The step function {self.name} captures arrays that were replaced since it was "
+                f"compiled ({', '.join(sorted(changed))}): its executables hold the old values as "
+                f"constants and would compute with them. {_CARRY_ARRAYS}"
+            )
 
     def get(
         self, kind: str, steps: int, make_program: Callable[[], Callable[..., Any]], *args: Any

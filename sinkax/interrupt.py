@@ -36,7 +36,7 @@ import signal
 import threading
 from typing import Any
 
-import jax
+from sinkax.pytree import deleted_leaf
 
 
 class _Guard:
@@ -52,7 +52,7 @@ GUARD = _Guard()
 
 
 def _donated(state: Any) -> bool:
-    return any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+    return deleted_leaf(state) is not None
 
 
 DISPATCHED: Any = object()  # guarded once a call's steps have run: hold any Ctrl-C

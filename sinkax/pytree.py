@@ -44,3 +44,30 @@ def stacked_zeros(tree: Any, steps: int, device: jax.Device) -> Any:
         return np.zeros(shape, x.dtype)
 
     return jax.tree.map(zeros, tree)
+
+
+def deleted_leaf(tree: Any) -> str | None:
+    """The path of the first leaf of ``tree`` whose buffer was deleted (donated to a call that
+    consumed it), or ``None`` if every array is alive.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.zeros(2); x.delete()
+    >>> deleted_leaf({"w": jnp.ones(2), "b": x}), deleted_leaf({"w": jnp.ones(2)})
+    ("['b']", None)
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            return jax.tree_util.keystr(path) or "<root>"
+    return None
+
+
+def check_alive(state: Any) -> None:
+    """``ValueError`` naming the fix if a leaf of ``state`` was donated to an earlier call."""
+    path = deleted_leaf(state)
+    if path is not None:
+        raise ValueError(
+            f"This state was donated to an earlier call, which consumed it (leaf {path} is "
+            "deleted); use the one it returned: `state, outs = sink(state)`, then pass that "
+            "`state` to the next call. To run several calls from one starting state, pass each "
+            "a copy: `sink(jax.tree.map(jnp.copy, state))`."
+        )

@@ -40,12 +40,14 @@ from sinkax.errors import SinkClosedError, SinkTimeoutError
 from sinkax.executable import (
     Compiler,
     carry_dtypes,
+    check_step_form,
     concat_trees,
     copy_tree,
     layout,
     scan_program,
     stateless,
 )
+from sinkax.pytree import check_alive
 from sinkax.spec import BatchSpec
 
 _NO_STATE: Any = object()
@@ -344,6 +346,7 @@ class Sink:
     # -- execution -----------------------------------------------------------------------
     def _strategy_for(self, stateful: bool) -> Any:
         if self._stateful is None:
+            check_step_form(self.fn, stateful)
             self._stateful = stateful
             fn = self.fn if stateful else stateless(self.fn)
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
@@ -410,6 +413,8 @@ class Sink:
         try:
             self._check_open()
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
+            if self.jit:  # compiled constants: refuse stale ones
+                self._compiler.check_captures()
             stateful = state is not _NO_STATE
             run = self._strategy_for(stateful)
             if self._resync:  # an interrupted call consumed data it never delivered: rewind
@@ -470,6 +475,7 @@ class Sink:
         last call returned."""
         if state is self._returned:
             return state
+        check_alive(state)
         state = jax.device_put(state, self.device)
         if not self.jit:
             return state

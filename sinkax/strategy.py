@@ -49,6 +49,7 @@ import numpy as np
 from sinkax.executable import (
     Compiler,
     StepFn,
+    check_step_result,
     layout,
     scan_program,
     single_step_program,
@@ -205,7 +206,9 @@ class Eager:
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         outs = []
         for i in range(offset, offset + steps):
-            state, out = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
+            result = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
+            check_step_result(result, state)
+            state, out = result
             outs.append(out)
         return state, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 

@@ -1,5 +1,7 @@
 """What a sink's state may be: typed PRNG keys, equinox modules, donated states, step forms."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,127 @@ def test_a_typed_key_in_a_batch_is_refused_with_the_fix():
         pytest.raises(BatchSpecError, match=r"key_data.*wrap_key_data"),
     ):
         sink(jnp.float32(0))
+
+
+# -- step forms -----------------------------------------------------------------------------------
+def test_a_step_returning_only_the_state_names_the_form(sink_options):
+    sink_size = sink_size_for(sink_options)
+    with (
+        sinkax.data_sink(lambda s, b: s + b.sum(), ones(), sink_size, **sink_options) as sink,
+        pytest.raises(TypeError, match=r"pair \(new_state, out\).*new state alone.*state, None"),
+    ):
+        sink(jnp.float32(0))
+
+
+def test_a_step_returning_a_triple_names_the_form():
+    with (
+        sinkax.data_sink(lambda s, b: (s, b, b), ones(), 2) as sink,
+        pytest.raises(TypeError, match=r"pair \(new_state, out\).*returned tuple"),
+    ):
+        sink(jnp.float32(0))
+
+
+def test_no_output_is_none():
+    with sinkax.data_sink(lambda s, b: (s + b.sum(), None), ones(), 2, strategy="loop") as sink:
+        state, outs = sink(jnp.float32(0))
+    assert float(state) == 3.0 and outs is None
+
+
+def test_a_stateful_step_called_without_a_state_says_to_pass_one():
+    with sinkax.data_sink(lambda s, b: (s, b), ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"takes a state\. Call sink\(state\)"):
+            sink()
+        state, _ = sink(jnp.float32(0))  # the refused call decided nothing
+    assert float(state) == 0.0
+
+
+def test_a_stateless_step_called_with_a_state_says_to_call_without():
+    def evaluate(batch):
+        return batch.sum()
+
+    with sinkax.data_sink(evaluate, ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"evaluate\(batch\) takes no state\. Call sink\(\)"):
+            sink(jnp.float32(0))
+        np.testing.assert_allclose(sink(), [0.0, 3.0])
+
+
+# -- donation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["scan", "step"])
+def test_passing_a_donated_state_again_is_refused_with_the_fix(strategy):
+    sink_size = 1 if strategy == "step" else 2
+    old = {"w": jnp.zeros(()), "rngs": jax.random.key(0)}
+    with sinkax.data_sink(nnx_like_step, ones(), sink_size, strategy=strategy) as sink:
+        new, _ = sink(old)
+        position = sink.data_state()
+        with pytest.raises(
+            ValueError, match=r"donated to an earlier call.*use the one it returned"
+        ):
+            sink(old)
+        assert sink.data_state() == position  # nothing ran
+        new, _ = sink(new)
+    assert float(new["w"]) == sum(range(2 * sink_size)) * 3
+
+
+def test_a_deleted_state_is_refused_on_the_first_call_whatever_the_strategy(sink_options):
+    state = {"w": jnp.zeros(()), "rngs": jax.random.key(0)}
+    state["rngs"].delete()
+    with sinkax.data_sink(nnx_like_step, ones(), sink_size_for(sink_options), **sink_options) as s:
+        with pytest.raises(ValueError, match=r"donated.*leaf \['rngs'\] is deleted"):
+            s(state)
+        assert s.step == 0
+        fresh, _ = s({"w": jnp.zeros(()), "rngs": jax.random.key(0)})
+    assert float(fresh["w"]) == sum(range(sink_size_for(sink_options))) * 3
+
+
+# -- eval: params as state, not as compiled constants --------------------------------------------
+def labelled(n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [
+        (rng.normal(size=(8, 3)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32))
+        for _ in range(n)
+    ]
+
+
+def test_eval_with_carried_params_compiles_once_and_sees_each_params():
+    data, apply = labelled(), lambda p, x: x @ p
+    evaluate = sinkax.make_eval_step(apply, carry_params=True)
+    plain = sinkax.make_eval_step(apply)
+    compiles = []
+    for seed in range(3):
+        params = jax.random.normal(jax.random.key(seed), (3, 3))
+        with sinkax.data_sink(evaluate, data, sink_size=-1, strategy="scan") as sink:
+            kept, metrics = sink(jax.tree.map(jnp.copy, params))
+            compiles.append(sink.stats.compiles)
+        expected = [float(plain(params, batch)["loss"]) for batch in data]
+        np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
+        np.testing.assert_array_equal(kept, params)
+    assert compiles == [1, 0, 0]
+
+
+def test_a_step_closing_over_replaced_params_is_refused_not_run_stale():
+    data, plain = labelled(), sinkax.make_eval_step(lambda p, x: x @ p)
+    params = jnp.eye(3)
+
+    def evaluate(batch):
+        return plain(params, batch)["loss"]
+
+    with pytest.warns(UserWarning, match=r"captures arrays \(params\)"):
+        sink = sinkax.data_sink(evaluate, data, sink_size=-1, strategy="scan")
+    with sink:
+        np.testing.assert_allclose(sink(), [plain(params, b)["loss"] for b in data], rtol=1e-5)
+        params = 2 * jnp.eye(3)  # what a training loop between evaluations does
+        with pytest.raises(ValueError, match=r"replaced since it was compiled \(params\)"):
+            sink()
+        assert sink.step == 0 and sink.epoch == 1  # nothing ran
+    with pytest.warns(UserWarning), sinkax.data_sink(evaluate, data, -1, strategy="scan") as sink:
+        # a new sink of the same function compiles the new params in, not the cached old ones
+        np.testing.assert_allclose(sink(), [plain(params, b)["loss"] for b in data], rtol=1e-5)
+
+
+def test_a_partial_over_params_warns_that_each_one_compiles_again():
+    plain = sinkax.make_eval_step(lambda p, x: x @ p)
+    with (
+        pytest.warns(UserWarning, match=r"argument 0 of the partial.*compiles again"),
+        sinkax.data_sink(functools.partial(plain, jnp.eye(3)), labelled(), -1) as sink,
+    ):
+        assert set(sink()) == {"loss", "accuracy"}

@@ -285,12 +285,18 @@ def make_eval_step(
     input_key: str = "image",
     label_key: str = "label",
     mask_key: str = "mask",
-) -> Callable[[Any, Any], dict[str, jax.Array]]:
+    carry_params: bool = False,
+) -> Callable[[Any, Any], Any]:
     """``eval_step(params, batch) -> {"loss", *metrics}``, each the mean over the batch.
 
-    For a stateless sink, close over the params: ``data_sink(partial(eval_step, params), ...)``.
-    For a :class:`StatefulApply` the first argument is ``(params, model_state)``, and the
-    network runs with ``train=False`` and no key: running statistics, no dropout.
+    With ``carry_params=True`` it returns ``(params, metrics)``: a step for a sink that carries
+    the params through as its state, so that one executable serves every evaluation (params
+    closed over, as in ``partial(eval_step, params)``, are compiled in as constants: each new
+    partial compiles again). The sink donates the params it is given: pass a copy of params
+    that are still needed.
+
+    For a :class:`StatefulApply` the params are ``(params, model_state)``, and the network
+    runs with ``train=False`` and no key: running statistics, no dropout.
 
     A mapping batch with a ``mask_key`` entry (padded by :class:`sinkax.datasets.PadBatch`) is
     evaluated over its real examples only: each value is the mean over the rows whose mask is
@@ -306,6 +312,13 @@ def make_eval_step(
     >>> m = eval_step(jnp.eye(2), padded)
     >>> float(m["accuracy"]), int(m["count"])
     (1.0, 1)
+    >>> import numpy as np, sinkax
+    >>> test_set = [(np.eye(2, dtype=np.float32), np.array([0, 1]))] * 3
+    >>> evaluate = make_eval_step(lambda p, x: x @ p, carry_params=True)  # once
+    >>> with sinkax.data_sink(evaluate, test_set, sink_size=-1) as sink:
+    ...     _, m = sink(jax.tree.map(jnp.copy, jnp.eye(2)))  # a copy: the sink donates it
+    >>> m["accuracy"].tolist()
+    [1.0, 1.0, 1.0]
     """
     fns = {"loss": lambda out, y: _scalar_loss(loss_fn(out, y)), **resolve_metrics(metrics)}
     stateful = isinstance(apply_fn, StatefulApply)
@@ -321,4 +334,10 @@ def make_eval_step(
         results = {name: _masked_mean(fn, out, y, mask) for name, fn in fns.items()}
         return {**results, "count": jnp.sum(jnp.asarray(mask, jnp.int32))}
 
-    return eval_step
+    if not carry_params:
+        return eval_step
+
+    def carrying_eval_step(params: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
+        return params, eval_step(params, batch)
+
+    return carrying_eval_step
