@@ -164,3 +164,28 @@ def test_nnx_dropout_differs_per_step_and_is_fixed_by_the_seed():
     assert len(set(first.tolist())) == len(first), first
     np.testing.assert_array_equal(first, losses(0))
     assert not np.array_equal(first, losses(1))
+
+
+def test_a_checkpoint_keeps_model_state_and_key_and_resumes_exactly(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    _, _, apply, params, model_state = linen()
+    data = batches()
+
+    def model():
+        return Model(apply, params, cross_entropy, optax.adamw(0.01), model_state=model_state,
+                     rng=jax.random.key(5))  # fmt: skip
+
+    whole = model()
+    whole.train(2, data)
+    resumed = model()
+    resumed.train(1, data, [sinkax.train.ModelCheckpoint(tmp_path)])
+    resumed = model()
+    resumed.train(2, data, resume_from=str(tmp_path))
+    assert jax.random.key_impl(resumed.state.rng) == jax.random.key_impl(whole.state.rng)
+    np.testing.assert_array_equal(
+        jax.random.key_data(resumed.state.rng), jax.random.key_data(whole.state.rng)
+    )
+    for a, b in zip(
+        jax.tree.leaves(resumed.state[:4]), jax.tree.leaves(whole.state[:4]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
