@@ -61,6 +61,7 @@ EXPECT: dict[str, list[Check]] = {
         (r"(?m)^epoch: 1 step: 125, loss is \d", None),  # sink mode and non-sink mode
         (r"largest param difference (\S+)", lambda gap: float(gap) < 1e-4),
         (r"test accuracy after 1 epoch\(s\): (\d\.\d+)", lambda acc: float(acc) > 0.5),
+        (r"test accuracy after 1 epoch\(s\): \S+ on (\d+) images", lambda n: int(n) == 1000),
         (r"(?m)^checks passed$", None),
     ],
 }

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 
 MNIST_MEAN = 0.1307
@@ -51,18 +52,24 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class _IndexBatches(grain.MapDataset):
-    """Batch ``i`` of epoch ``i // len(self)``: int32 sample indices (batch_size,)."""
+    """Batch ``i`` of epoch ``i // len(self)``: int32 sample indices (batch_size,), the last
+    one shorter when the remainder is kept."""
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int | None) -> None:
+    def __init__(
+        self, num_samples: int, batch_size: int, seed: int | None, drop_remainder: bool = True
+    ) -> None:
         super().__init__()
         if not 0 < batch_size <= num_samples:
             raise ValueError(f"need 0 < batch_size <= num_samples, got {batch_size}, {num_samples}")
         self._num_samples = num_samples
         self._batch_size = batch_size
         self._seed = seed
+        self._drop_remainder = drop_remainder
 
     def __len__(self) -> int:
-        return self._num_samples // self._batch_size
+        if self._drop_remainder:
+            return self._num_samples // self._batch_size
+        return -(-self._num_samples // self._batch_size)
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
@@ -70,21 +77,26 @@ class _IndexBatches(grain.MapDataset):
         epoch, position = divmod(index, len(self))
         start = position * self._batch_size
         if self._seed is None:
-            return np.arange(start, start + self._batch_size, dtype=np.int32)
+            stop = min(start + self._batch_size, self._num_samples)
+            return np.arange(start, stop, dtype=np.int32)
         permutation = epoch_permutation(self._num_samples, self._seed, epoch)
         return permutation[start : start + self._batch_size].copy()
 
     def __str__(self) -> str:
         return (
             f"IndexBatches(num_samples={self._num_samples}, batch_size={self._batch_size}, "
-            f"seed={self._seed})"
+            f"seed={self._seed}, drop_remainder={self._drop_remainder})"
         )
 
 
-def index_batches(num_samples: int, batch_size: int, seed: int | None = None) -> grain.MapDataset:
+def index_batches(
+    num_samples: int, batch_size: int, seed: int | None = None, *, drop_remainder: bool = True
+) -> grain.MapDataset:
     """MapDataset of int32 sample-index batches (batch_size,), remainder dropped.
 
-    ``len()`` is ``num_samples // batch_size``. Without ``seed`` batches run in order;
+    ``len()`` is ``num_samples // batch_size``; with ``drop_remainder=False`` the last batch
+    holds the remaining indices (fewer than ``batch_size``: pad it with :class:`PadBatch`) and
+    ``len()`` rounds up. Without ``seed`` batches run in order;
     with it, each epoch is a fresh permutation (:func:`epoch_permutation`): index ``i``
     of ``ds.repeat(None)`` reads epoch ``i // len(ds)``. This is ``MapDataset.shuffle``
     followed by ``batch(drop_remainder=True)``, at one lookup per batch.
@@ -95,8 +107,11 @@ def index_batches(num_samples: int, batch_size: int, seed: int | None = None) ->
     >>> shuffled = index_batches(6, batch_size=3, seed=0).repeat(None)
     >>> sorted(shuffled[2].tolist() + shuffled[3].tolist())
     [0, 1, 2, 3, 4, 5]
+    >>> ragged = index_batches(5, batch_size=2, drop_remainder=False)
+    >>> len(ragged), ragged[2].tolist()
+    (3, [4])
     """
-    return _IndexBatches(num_samples, batch_size, seed)
+    return _IndexBatches(num_samples, batch_size, seed, drop_remainder)
 
 
 class Gather(grain.transforms.Map):
@@ -114,6 +129,63 @@ class Gather(grain.transforms.Map):
 
     def __repr__(self) -> str:
         return f"Gather({', '.join(f'{k}: {v.shape}' for k, v in self.arrays.items())})"
+
+
+def pad_batch(batch: Mapping[str, Any], batch_size: int, mask_key: str = "mask") -> dict[str, Any]:
+    """``batch`` with every leaf padded with zero rows to ``batch_size``, and a bool
+    ``mask_key`` entry, ``True`` for the real rows: a ragged last batch in the shape of the
+    others, so a sink evaluates it (the eval step weights its metrics by the mask).
+
+    >>> out = pad_batch({"x": np.array([1.0, 2.0]), "y": np.array([[1], [2]])}, 3)
+    >>> out["x"].tolist(), out["y"].tolist(), out["mask"].tolist()
+    ([1.0, 2.0, 0.0], [[1], [2], [0]], [True, True, False])
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"pad_batch adds a {mask_key!r} entry, so a batch must be a mapping, got "
+            f"{type(batch).__name__}: give the dataset dict batches, e.g. "
+            '{"image": x, "label": y}.'
+        )
+    if mask_key in batch:
+        raise ValueError(
+            f"The batch already has a {mask_key!r} entry; name the padding mask another way "
+            "with mask_key=... (and pass the same name to make_eval_step)."
+        )
+    rows = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
+    if len(rows) != 1 or None in rows or rows.pop() > batch_size:
+        shapes = jax.tree.map(np.shape, dict(batch))
+        raise ValueError(
+            f"pad_batch pads batches of at most batch_size={batch_size} rows whose leaves all "
+            f"have the same leading axis; got leaf shapes {shapes}. Batch first, then pad."
+        )
+    padded = jax.tree.map(lambda leaf: _pad_rows(np.asarray(leaf), batch_size), dict(batch))
+    size = np.shape(jax.tree.leaves(batch)[0])[0]
+    return {**padded, mask_key: np.arange(batch_size) < size}
+
+
+def _pad_rows(leaf: np.ndarray, rows: int) -> np.ndarray:
+    if len(leaf) == rows:
+        return leaf
+    return np.concatenate([leaf, np.zeros((rows - len(leaf), *leaf.shape[1:]), leaf.dtype)])
+
+
+class PadBatch(grain.transforms.Map):
+    """grain ``Map`` applying :func:`pad_batch`: put it after ``batch(..., drop_remainder=False)``
+    so evaluation and prediction see every example in batches of one shape.
+
+    >>> PadBatch(4).map({"x": np.ones(3)})["mask"].tolist()
+    [True, True, True, False]
+    """
+
+    def __init__(self, batch_size: int, mask_key: str = "mask") -> None:
+        self.batch_size = batch_size
+        self.mask_key = mask_key
+
+    def map(self, element: Mapping[str, Any]) -> dict[str, Any]:
+        return pad_batch(element, self.batch_size, self.mask_key)
+
+    def __repr__(self) -> str:
+        return f"PadBatch({self.batch_size}, mask_key={self.mask_key!r})"
 
 
 @functools.cache

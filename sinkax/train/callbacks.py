@@ -274,7 +274,7 @@ class EvalCallback(Callback):
     def on_epoch_end(self, run: RunContext) -> None:
         if run.epoch % self.every_epochs:
             return
-        metrics = self._evaluate(run.state.params)
+        metrics = self._evaluate(run.model.eval_variables(run.state))
         self.results[run.epoch] = metrics
         if self.verbose:
             shown = ", ".join(f"{name} is {value:.4f}" for name, value in metrics.items())

@@ -1,9 +1,12 @@
 """``Model``: MindSpore's high-level ``train``/``eval``/``predict`` for a JAX network.
 
 The network is plain functions and pytrees: ``apply_fn(params, x) -> logits`` with ``params``
-any pytree (a flax ``module.apply`` with its ``variables`` plugs straight in; for equinox pass
-``params, static = eqx.partition(model, eqx.is_array)`` and
-``apply_fn = lambda p, x: jax.vmap(eqx.combine(p, static))(x)``). Training state is a
+any pytree (a flax ``module.apply`` with its ``variables`` when the module has no mutable
+collections and no dropout; for equinox pass ``params, static = eqx.partition(model,
+eqx.is_array)`` and ``apply_fn = lambda p, x: jax.vmap(eqx.combine(p, static))(x)``). A network
+with BatchNorm statistics or dropout is a :class:`~sinkax.train.StatefulApply` with its
+``model_state`` and a base ``rng`` (:func:`~sinkax.train.from_linen`,
+:func:`~sinkax.train.from_nnx` build all three for flax). Training state is a
 :class:`~sinkax.train.TrainState` pytree, available as ``model.state``.
 
 >>> import jax.numpy as jnp, numpy as np, optax
@@ -39,7 +42,10 @@ from sinkax.train.steps import (
     ApplyFn,
     LossFn,
     Metric,
+    StatefulApply,
     TrainState,
+    as_stateful,
+    batch_mask,
     cross_entropy,
     make_eval_step,
     make_train_step,
@@ -68,14 +74,19 @@ class Model:
     """Train, evaluate and predict with ``apply_fn(params, x)``, sinking steps to the device.
 
     Args:
-      apply_fn: ``apply_fn(params, x) -> logits``.
-      params: the initial params (any pytree of arrays).
+      apply_fn: ``apply_fn(params, x) -> logits``, or a
+        :class:`~sinkax.train.StatefulApply` for a network with non-trainable state or dropout.
+      params: the initial params (any pytree of arrays): what the optimizer trains.
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default mean sparse softmax cross-entropy.
       optimizer: an optax ``GradientTransformation`` (``None`` for an eval-only model).
       metrics: metric names (``"accuracy"``) or ``{name: fn(logits, labels)}`` for :meth:`eval`.
       opt_state: an optimizer state to continue from (default ``optimizer.init(params)``).
       input_key, label_key: the batch entries holding inputs and labels (mapping batches);
         ``(x, y)`` pairs work as they are.
+      model_state: a :class:`~sinkax.train.StatefulApply` network's non-trainable state (flax's
+        ``batch_stats``): updated by the train step, used as it is by eval and predict.
+      rng: the base key of a :class:`~sinkax.train.StatefulApply` network's randomness
+        (``jax.random.key(seed)``): train step ``k`` gets ``fold_in(rng, k)``.
       sink_options: more :func:`sinkax.data_sink` options (``strategy``, ``prefetch``,
         ``timeout``, ``read_options``, ...) for every sink the model makes.
     """
@@ -92,6 +103,8 @@ class Model:
         input_key: str = "image",
         label_key: str = "label",
         sink_options: Mapping[str, Any] | None = None,
+        model_state: Any = None,
+        rng: Any = None,
     ):
         self.apply_fn = apply_fn
         self.loss_fn = loss_fn
@@ -101,19 +114,35 @@ class Model:
         self._label_of: Callable[[Any], Any] = lambda batch: split_batch(batch, **keys)[1]
         if optimizer is None:
             self._train_step = None
-            self.state = TrainState(jnp.zeros((), jnp.int32), params, None)
+            self.state = TrainState(jnp.zeros((), jnp.int32), params, None, model_state, rng)
         else:
             self._train_step = make_train_step(apply_fn, loss_fn, optimizer, **keys)
-            self.state = TrainState.create(params, optimizer, opt_state)
+            self.state = TrainState.create(
+                params, optimizer, opt_state, model_state=model_state, rng=rng
+            )
         self._eval_step = make_eval_step(apply_fn, loss_fn, metrics=metrics, **keys)
         # one bound method for every eval: compiled executables are cached by step function
         self._eval_and_count = self._eval_and_count
-        self._predict = jax.jit(apply_fn)
+        apply = as_stateful(apply_fn)
+        self._predict = jax.jit(
+            lambda params, state, x: apply(params, state, x, train=False, rng=None)[0]
+        )
 
-    def _eval_and_count(self, params: Any, batch: Any) -> tuple[Any, Any]:
-        """The eval step carrying the params through, with the batch size for weighting."""
-        size = jnp.asarray(jnp.shape(self._label_of(batch))[0])
-        return params, (self._eval_step(params, batch), size)
+    def eval_variables(self, state: TrainState) -> Any:
+        """What the eval step takes from a train state: the params, and for a
+        :class:`~sinkax.train.StatefulApply` network ``(params, model_state)``."""
+        if isinstance(self.apply_fn, StatefulApply):
+            return state.params, state.model_state
+        return state.params
+
+    def _eval_and_count(self, variables: Any, batch: Any) -> tuple[Any, Any]:
+        """The eval step carrying the variables through, with the examples it saw for
+        weighting (the batch size, or the real rows of a padded batch)."""
+        metrics = self._eval_step(variables, batch)
+        mask = batch_mask(batch)
+        if mask is None:
+            return variables, (metrics, jnp.asarray(jnp.shape(self._label_of(batch))[0]))
+        return variables, ({k: v for k, v in metrics.items() if k != "count"}, metrics["count"])
 
     @property
     def params(self) -> Any:
@@ -235,17 +264,19 @@ class Model:
 
         In sink mode the pass is one sink (``sink_size=-1``) that carries a copy of the params
         through (as an argument, not baked into the executable as constants). Each metric is
-        the mean over samples.
+        the mean over samples; batches padded by :class:`sinkax.datasets.PadBatch` count their
+        real samples only, so a ragged last batch is evaluated too.
         """
         evaluate = Evaluator(self, valid_dataset, dataset_sink_mode, passes=1)
         try:
-            return evaluate(self.state.params)
+            return evaluate(self.eval_variables(self.state))
         finally:
             evaluate.close()
 
     def predict(self, x: Any) -> jax.Array:
-        """``apply_fn(params, x)``, jitted."""
-        return self._predict(self.state.params, x)
+        """``apply_fn(params, x)``, jitted (a :class:`~sinkax.train.StatefulApply` with
+        ``train=False``: running statistics, no dropout)."""
+        return self._predict(self.state.params, self.state.model_state, x)
 
 
 class Evaluator:
@@ -262,10 +293,11 @@ class Evaluator:
         self._helper = DatasetHelper(dataset, dataset_sink_mode, -1, passes, **model.sink_options)
         self._net = connect_network_with_dataset(model._eval_and_count, self._helper)
 
-    def __call__(self, params: Any) -> dict[str, float]:
-        params, parts = copy_tree(params), []  # a copy: the sink donates it
+    def __call__(self, variables: Any) -> dict[str, float]:
+        """Metrics of :meth:`Model.eval_variables` over one pass."""
+        variables, parts = copy_tree(variables), []  # a copy: the sink donates it
         for _ in self._helper:
-            params, outs = self._net(params)
+            variables, outs = self._net(variables)
             parts.append(outs)
         metrics, counts = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
         names = sorted(metrics, key=lambda name: name != "loss")  # loss first

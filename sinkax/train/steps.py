@@ -5,6 +5,11 @@
 batch is a mapping (``batch[input_key]``, ``batch[label_key]``, by default ``"image"`` and
 ``"label"``) or an ``(x, y)`` pair.
 
+A network with non-trainable state (BatchNorm's running statistics) or randomness (dropout) is
+a :class:`StatefulApply`: ``fn(params, model_state, x, *, train, rng) -> (out, model_state)``.
+The train step then keeps ``model_state`` in :attr:`TrainState.model_state`, out of the
+optimizer's reach, and gives step ``k`` the key ``fold_in(state.rng, k)``.
+
 >>> import jax.numpy as jnp, numpy as np, optax
 >>> apply_fn = lambda p, x: x @ p["w"]
 >>> params = {"w": jnp.zeros((3, 2))}
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 ApplyFn = Callable[[Any, Any], Any]
+"""``apply_fn(params, x) -> out``: a network without state or randomness."""
 LossFn = Callable[[Any, Any], jax.Array]
 Metric = Callable[[Any, Any], jax.Array]
 
@@ -53,18 +59,65 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 METRICS: dict[str, Metric] = {"accuracy": accuracy}
 
 
+class StatefulApply(NamedTuple):
+    """A network with non-trainable state or randomness, as the steps call it:
+    ``fn(params, model_state, x, *, train, rng) -> (out, new_model_state)``.
+
+    ``train`` is a Python bool (``True`` in the train step: batch statistics, dropout;
+    ``False`` in eval: running statistics, no dropout); ``rng`` is the step's key (``None`` in
+    eval, or when the state carries no key). The train step keeps ``new_model_state``; eval
+    discards it. :func:`sinkax.train.from_linen` and :func:`~sinkax.train.from_nnx` build one for
+    flax modules; wrapping a function makes the steps and :class:`~sinkax.train.Model` call it
+    this way instead of as ``apply_fn(params, x)``.
+
+    >>> def apply(params, count, x, *, train, rng):
+    ...     return x * params, count + train
+    >>> StatefulApply(apply)(2.0, 0, 3.0, train=True, rng=None)
+    (6.0, 1)
+    """
+
+    fn: Callable[..., tuple[Any, Any]]
+
+    def __call__(self, params: Any, model_state: Any, x: Any, *, train: bool, rng: Any) -> Any:
+        return self.fn(params, model_state, x, train=train, rng=rng)
+
+
+def as_stateful(apply_fn: ApplyFn | StatefulApply) -> StatefulApply:
+    """``apply_fn`` in the :class:`StatefulApply` form: a plain ``apply_fn(params, x)`` passes
+    the model state through untouched.
+
+    >>> as_stateful(lambda p, x: p * x)(2, None, 3, train=True, rng=None)
+    (6, None)
+    """
+    if isinstance(apply_fn, StatefulApply):
+        return apply_fn
+    return StatefulApply(lambda params, state, x, *, train, rng: (apply_fn(params, x), state))
+
+
 class TrainState(NamedTuple):
-    """What training changes: the step count, the params and the optimizer state (a pytree)."""
+    """What training changes: the step count, the params and the optimizer state (a pytree),
+    and for a :class:`StatefulApply` network the non-trainable ``model_state`` (e.g. flax's
+    ``batch_stats``: updated by the network, never by the optimizer) and the base key ``rng``
+    (step ``k`` uses ``jax.random.fold_in(rng, k)``; a typed ``jax.random.key``)."""
 
     step: jax.Array
     params: Any
     opt_state: Any
+    model_state: Any = None
+    rng: Any = None
 
     @classmethod
     def create(
-        cls, params: Any, optimizer: optax.GradientTransformation, opt_state: Any = None
+        cls,
+        params: Any,
+        optimizer: optax.GradientTransformation,
+        opt_state: Any = None,
+        *,
+        model_state: Any = None,
+        rng: Any = None,
     ) -> TrainState:
-        """Step 0, ``params``, and ``opt_state`` (default ``optimizer.init(params)``).
+        """Step 0, ``params``, and ``opt_state`` (default ``optimizer.init(params)``); the
+        optimizer sees only ``params``, never ``model_state``.
 
         >>> state = TrainState.create({"w": jnp.ones(2)}, optax.sgd(0.1, momentum=0.9))
         >>> int(state.step), type(state.opt_state[0]).__name__
@@ -74,7 +127,7 @@ class TrainState(NamedTuple):
             opt_state = optimizer.init(params)
         else:
             check_opt_state(optimizer, params, opt_state)
-        return cls(jnp.zeros((), jnp.int32), params, opt_state)
+        return cls(jnp.zeros((), jnp.int32), params, opt_state, model_state, rng)
 
 
 def split_batch(batch: Any, input_key: str = "image", label_key: str = "label") -> tuple[Any, Any]:
@@ -138,7 +191,7 @@ def check_opt_state(optimizer: optax.GradientTransformation, params: Any, opt_st
 
 
 def make_train_step(
-    apply_fn: ApplyFn,
+    apply_fn: ApplyFn | StatefulApply,
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     *,
@@ -153,6 +206,11 @@ def make_train_step(
     ``optax.apply_if_finite``. That check reads every gradient on every step (for a small MLP
     on CPU it cost ~40% of the step), so it is yours to choose, not built in.
 
+    A :class:`StatefulApply` is called with ``train=True``, ``state.model_state`` and the key
+    ``jax.random.fold_in(state.rng, state.step)`` (``None`` without ``state.rng``): a new
+    dropout mask every step, the same ones for the same base key. The model state it returns
+    replaces ``state.model_state``; gradients flow to ``params`` only.
+
     >>> step = make_train_step(lambda p, x: x * p, lambda out, y: ((out - y) ** 2).mean(),
     ...                        optax.apply_if_finite(optax.sgd(0.5), 3))
     >>> state = TrainState.create(jnp.float32(0), optax.apply_if_finite(optax.sgd(0.5), 3))
@@ -160,20 +218,24 @@ def make_train_step(
     >>> float(state.params), bool(m["finite"])
     (0.0, False)
     """
-
-    def objective(params: Any, x: Any, y: Any) -> jax.Array:
-        return _scalar_loss(loss_fn(apply_fn(params, x), y))
+    apply = as_stateful(apply_fn)
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         check_opt_state(optimizer, state.params, state.opt_state)
         x, y = split_batch(batch, input_key, label_key)
-        loss, grads = jax.value_and_grad(objective)(state.params, x, y)
+        rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
+
+        def objective(params: Any) -> tuple[jax.Array, Any]:
+            out, model_state = apply(params, state.model_state, x, train=True, rng=rng)
+            return _scalar_loss(loss_fn(out, y)), model_state
+
+        (loss, model_state), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state), {
-            "loss": loss,
-            "finite": jnp.isfinite(loss),
-        }
+        new_state = state._replace(
+            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+        )
+        return new_state, {"loss": loss, "finite": jnp.isfinite(loss)}
 
     return train_step
 
@@ -197,13 +259,32 @@ def resolve_metrics(metrics: Sequence[str] | Mapping[str, Metric]) -> dict[str, 
     return {name: METRICS[name] for name in metrics}
 
 
+def batch_mask(batch: Any, mask_key: str = "mask") -> jax.Array | None:
+    """The batch's mask leaf (``True`` for real examples, ``False`` for padding), or ``None``.
+
+    >>> batch_mask({"mask": [True, False]}), batch_mask((1, 2))
+    ([True, False], None)
+    """
+    return batch.get(mask_key) if isinstance(batch, Mapping) else None
+
+
+def _masked_mean(fn: Callable[[Any, Any], jax.Array], out: Any, y: Any, mask: Any) -> jax.Array:
+    """The mean of ``fn`` over the examples where ``mask`` holds, ``fn`` being a mean over a
+    batch: it is evaluated on every example alone (a batch of one)."""
+    one = lambda leaf: leaf[None]  # noqa: E731
+    values = jax.vmap(lambda o, t: fn(jax.tree.map(one, o), jax.tree.map(one, t)))(out, y)
+    weights = jnp.asarray(mask, values.dtype)
+    return (values * weights).sum() / jnp.maximum(weights.sum(), 1)
+
+
 def make_eval_step(
-    apply_fn: ApplyFn,
+    apply_fn: ApplyFn | StatefulApply,
     loss_fn: LossFn = cross_entropy,
     *,
     metrics: Sequence[str] | Mapping[str, Metric] = ("accuracy",),
     input_key: str = "image",
     label_key: str = "label",
+    mask_key: str = "mask",
     carry_params: bool = False,
 ) -> Callable[[Any, Any], Any]:
     """``eval_step(params, batch) -> {"loss", *metrics}``, each the mean over the batch.
@@ -214,10 +295,23 @@ def make_eval_step(
     partial compiles again). The sink donates the params it is given: pass a copy of params
     that are still needed.
 
+    For a :class:`StatefulApply` the params are ``(params, model_state)``, and the network
+    runs with ``train=False`` and no key: running statistics, no dropout.
+
+    A mapping batch with a ``mask_key`` entry (padded by :class:`sinkax.datasets.PadBatch`) is
+    evaluated over its real examples only: each value is the mean over the rows whose mask is
+    ``True`` (``loss_fn`` and the metrics, means over a batch, are taken per example), and the
+    result has a ``"count"`` of those rows, to weight the batches' means by.
+
     >>> eval_step = make_eval_step(lambda p, x: x @ p)
     >>> m = eval_step(jnp.eye(2), (jnp.array([[2.0, 0.0], [0.0, 1.0]]), jnp.array([0, 0])))
     >>> sorted(m), float(m["accuracy"])
     (['accuracy', 'loss'], 0.5)
+    >>> padded = {"image": jnp.array([[2.0, 0.0], [0.0, 1.0]]), "label": jnp.array([0, 0]),
+    ...           "mask": jnp.array([True, False])}
+    >>> m = eval_step(jnp.eye(2), padded)
+    >>> float(m["accuracy"]), int(m["count"])
+    (1.0, 1)
     >>> import numpy as np, sinkax
     >>> test_set = [(np.eye(2, dtype=np.float32), np.array([0, 1]))] * 3
     >>> evaluate = make_eval_step(lambda p, x: x @ p, carry_params=True)  # once
@@ -226,14 +320,19 @@ def make_eval_step(
     >>> m["accuracy"].tolist()
     [1.0, 1.0, 1.0]
     """
-    fns = resolve_metrics(metrics)
+    fns = {"loss": lambda out, y: _scalar_loss(loss_fn(out, y)), **resolve_metrics(metrics)}
+    stateful = isinstance(apply_fn, StatefulApply)
+    apply = as_stateful(apply_fn)
 
     def eval_step(params: Any, batch: Any) -> dict[str, jax.Array]:
         x, y = split_batch(batch, input_key, label_key)
-        logits = apply_fn(params, x)
-        results = {"loss": _scalar_loss(loss_fn(logits, y))}
-        results.update({name: fn(logits, y) for name, fn in fns.items()})
-        return results
+        params, model_state = params if stateful else (params, None)
+        out = apply(params, model_state, x, train=False, rng=None)[0]
+        mask = batch_mask(batch, mask_key)
+        if mask is None:
+            return {name: fn(out, y) for name, fn in fns.items()}
+        results = {name: _masked_mean(fn, out, y, mask) for name, fn in fns.items()}
+        return {**results, "count": jnp.sum(jnp.asarray(mask, jnp.int32))}
 
     if not carry_params:
         return eval_step
