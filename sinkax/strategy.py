@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sinkax import placement
 from sinkax.executable import (
     Compiler,
     StepFn,
@@ -136,8 +137,8 @@ class Loop:
         key = ("out_shape", layout((state, chunk)))
         out = self._compiler.memo(key, lambda: self._out_shape(state, chunk))
         outs = jax.tree.map(lambda o: np.zeros((steps, *o.shape), o.dtype), out)
-        device = jax.tree.leaves(chunk)[0].device
-        start = jax.device_put((outs, np.int32(offset), np.int32(0)), device)  # one transfer
+        where = placement.replicated(jax.tree.leaves(chunk)[0].sharding)
+        start = jax.device_put((outs, np.int32(offset), np.int32(0)), where)  # one transfer
         return (state, *start)
 
     def _executable(self, carry: Any, chunk: Any, steps: int) -> Any:
@@ -269,13 +270,23 @@ class Auto:
         return self._first
 
 
-def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) -> str:
+def resolve(
+    name: str,
+    *,
+    jit: bool,
+    steps_per_call: int | None,
+    platform: str,
+    devices: int = 1,
+    processes: int = 1,
+) -> str:
     """The strategy a sink runs, by name: ``name`` itself, or what ``"auto"`` settles to
     without measuring.
 
     Without jit, ``"eager"``. ``"auto"`` for one-step calls measures nothing: XLA inlines a loop of
     one trip, so ``"scan"`` *is* the standalone step, and on CPU ``"step"`` runs it without the
-    ring's copy. ``"step"`` needs one-step calls.
+    ring's copy. ``"step"`` needs one-step calls on one device (it hands over host batches,
+    unplaced). Over several processes ``"auto"`` is ``"scan"``: each process would time its
+    own trials and might choose differently, and every process must run the same programs.
 
     >>> resolve("auto", jit=True, steps_per_call=1, platform="cpu")
     'step'
@@ -289,10 +300,17 @@ def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) 
             f"strategy='step' runs one step per call, but this sink runs {steps_per_call} steps "
             "per call. Use sink_size=1, or strategy='scan' / 'loop' / 'auto' for longer sinks."
         )
+    if name == "step" and devices > 1:
+        raise ValueError(
+            f"strategy='step' hands each host batch to the step unplaced, on one device; this "
+            f"sink's sharding spans {devices} devices. Use strategy='scan' (or 'auto')."
+        )
     if not jit:
         return "eager"
     if name == "auto" and steps_per_call == 1:
-        return "step" if platform == "cpu" else "scan"
+        return "step" if platform == "cpu" and devices == 1 else "scan"
+    if name == "auto" and processes > 1:
+        return "scan"
     return name
 
 
