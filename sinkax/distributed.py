@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -47,6 +48,23 @@ from sinkax.errors import SinkTimeoutError
 T = TypeVar("T")
 
 _sink_numbers = itertools.count()  # sinks are numbered alike in every process: created in order
+
+
+def initialize() -> None:
+    """Join the ``jax.distributed`` job this process belongs to.
+
+    Started by :mod:`sinkax.launch`: with the coordinator, process count and id it set in the
+    environment. Otherwise ``jax.distributed.initialize()`` with no arguments, which detects
+    SLURM, Open MPI and Kubernetes (indexed Job) environments and fails elsewhere.
+    """
+    if "SINKAX_PROCESS_ID" in os.environ:
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["SINKAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["SINKAX_PROCESS_ID"]),
+        )
+    else:
+        jax.distributed.initialize()
 
 
 class PeerError(RuntimeError):

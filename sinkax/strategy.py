@@ -150,8 +150,11 @@ class Loop:
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         carry = self._start(state, chunk, offset, steps)
         step = self._executable(carry, chunk, steps)
-        for _ in range(steps):
+        resharded = steps > 1 and len(jax.tree.leaves(chunk)[0].sharding.device_set) > 1
+        for i in range(steps):
             carry = step(carry, chunk)
+            if i == 0 and resharded:  # over several devices the step may return the outputs
+                step = self._executable(carry, chunk, steps)  # sharded otherwise than given
         return carry[0], carry[1]
 
 
