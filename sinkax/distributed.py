@@ -9,9 +9,12 @@ mesh of ``jax.devices()``). Each process's dataset yields only *its part* of eve
 * grain: shard the source per process, ``grain.sharding.ShardByJaxProcess()`` (or
   ``ShardOptions(shard_index=jax.process_index(), shard_count=jax.process_count())``), and
   batch with the *per-process* batch size (global batch / process count);
-* any other iterable: process ``i`` of ``n`` yields rows ``i::n`` of the global batch order,
-  or any split in which every process yields the same number of batches of the same shape per
-  epoch (checked when the sink is created: epoch lengths must agree).
+* any iterable of global batches: ``map`` :func:`local_rows` over it, which keeps this process's
+  contiguous block of rows (on a mesh of ``jax.devices()``, ordered by process, those are the
+  rows this process's devices hold);
+* in general, process ``i`` yields for the ``k``-th global batch the rows its devices hold;
+  every process must yield the same number of batches of the same shape per epoch (checked
+  when the sink is created: epoch lengths must agree).
 
 The compiled steps contain collectives (the gradient's all-reduce), so a process that stops
 feeding would leave the others blocked inside them. :class:`Peers` prevents that: before each
@@ -41,7 +44,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-from jax.sharding import Sharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 from sinkax.errors import SinkTimeoutError
 
@@ -65,6 +68,38 @@ def initialize() -> None:
         )
     else:
         jax.distributed.initialize()
+
+
+def batch_sharding(axis: str = "data") -> NamedSharding:
+    """``NamedSharding(mesh, P(axis))`` over every device of the job (all processes): the
+    batch axis split over them, the data-parallel ``sharding=`` of a sink."""
+    mesh = jax.make_mesh((jax.device_count(),), (axis,), axis_types=(AxisType.Auto,))
+    return NamedSharding(mesh, PartitionSpec(axis))
+
+
+def local_rows(batch: Any) -> Any:
+    """This process's block of a global batch: rows ``i * B / n`` to ``(i + 1) * B / n`` of
+    every leaf for process ``i`` of ``n`` -- the rows its devices hold under
+    :func:`batch_sharding`. ``dataset.map(local_rows)`` turns a dataset of global batches into
+    this process's part (each process reads the whole batch; sharding the records per process
+    reads less, see the module docstring).
+
+    >>> import numpy as np
+    >>> local_rows({"x": np.arange(4)})["x"].tolist()  # one process: all of it
+    [0, 1, 2, 3]
+    """
+    i, n = jax.process_index(), jax.process_count()
+
+    def block(leaf: Any) -> Any:
+        rows = len(leaf)
+        if rows % n:
+            raise ValueError(
+                f"A global batch of {rows} rows cannot be split evenly over {n} processes: "
+                "make the batch size a multiple of the number of processes (and devices)."
+            )
+        return leaf[i * rows // n : (i + 1) * rows // n]
+
+    return jax.tree.map(block, batch)
 
 
 class PeerError(RuntimeError):
