@@ -50,7 +50,9 @@ from sinkax.errors import SinkTimeoutError
 
 T = TypeVar("T")
 
-_sink_numbers = itertools.count()  # sinks are numbered alike in every process: created in order
+# sinks and saved positions are numbered alike in every process: each makes them in one order
+_sink_numbers = itertools.count()
+_position_numbers = itertools.count()
 
 
 def initialize() -> None:
@@ -102,6 +104,43 @@ def local_rows(batch: Any) -> Any:
     return jax.tree.map(block, batch)
 
 
+def _client() -> Any:
+    from jax._src import distributed  # the coordination client jax.distributed started
+
+    return distributed.global_state.client
+
+
+def shared_position(data_state: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """What a checkpoint stores as the data position: ``data_state`` itself in one process;
+    across processes every process's, ``{"processes": [...]}`` in process order (every process
+    calls, in the same order). :func:`own_position` takes this process's back."""
+    if jax.process_count() == 1:
+        return data_state
+    client, me = _client(), jax.process_index()
+    key = f"sinkax/position{next(_position_numbers)}"
+    client.key_value_set(f"{key}/{me}", json.dumps(data_state))
+    positions = [
+        data_state
+        if p == me
+        else json.loads(client.blocking_key_value_get(f"{key}/{p}", int(timeout * 1000)))
+        for p in range(jax.process_count())
+    ]
+    return {"processes": positions}
+
+
+def own_position(saved: dict[str, Any]) -> dict[str, Any]:
+    """This process's data position in what :func:`shared_position` gave; ``ValueError`` if
+    it was saved by a job of another number of processes."""
+    count = len(saved["processes"]) if "processes" in saved else 1
+    if count != jax.process_count():
+        raise ValueError(
+            f"This checkpoint holds the data positions of {count} process(es), but this job has "
+            f"{jax.process_count()}: resume it with {count} process(es), each feeding the same "
+            "part of the data as before."
+        )
+    return saved["processes"][jax.process_index()] if "processes" in saved else saved
+
+
 class PeerError(RuntimeError):
     """Another process of the job failed; this one stops too instead of waiting for it."""
 
@@ -134,9 +173,7 @@ class Peers:
         return Peers(f"sinkax/sink{next(_sink_numbers)}", timeout, config)
 
     def __init__(self, name: str, timeout: float, config: dict[str, Any]):
-        from jax._src import distributed  # the coordination client jax.distributed started
-
-        self._client = distributed.global_state.client
+        self._client = _client()
         self._name = name
         self._me = jax.process_index()
         self._others = [p for p in range(jax.process_count()) if p != self._me]

@@ -76,6 +76,55 @@ def reference(steps: int) -> dict:
     return jax.device_get(state)
 
 
+def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
+    """``--calls`` calls of a sink, then ``--resume-calls`` of a new one from its data_state."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import sinkax
+
+    options = dict(strategy=args.strategy, sharding=sharding, timeout=args.timeout)
+    ids, state, data_state = [], initial_state(), None
+    for calls in (args.calls, args.resume_calls):
+        if not calls:
+            continue
+        sink = sinkax.data_sink(step, data, args.sink_size, data_state=data_state, **options)
+        with sink:
+            for _ in range(calls):
+                state, outs = sink(state)
+                seen = multihost_utils.process_allgather(outs["ids"], tiled=True)
+                ids.extend(np.asarray(seen).ravel().tolist())
+            data_state = sink.data_state()
+            result["strategy"] = sink.stats.strategy
+    result["ids"] = ids
+    result["data_state"] = {k: data_state[k] for k in ("epoch", "step")}
+    return state, (args.calls + args.resume_calls) * args.sink_size
+
+
+def train_model(args, data, sharding, result: dict) -> tuple[dict, int]:
+    """``Model.train`` up to epoch ``--epochs`` of ``--sink-size`` steps, checkpointing each into
+    ``--checkpoint`` and resuming from it when it holds one."""
+    import jax.numpy as jnp
+    import optax
+
+    import sinkax
+
+    model = sinkax.Model(
+        lambda params, x: x @ params["w"] + params["b"],
+        initial_state(),
+        lambda out, y: jnp.mean((out - y) ** 2),
+        optax.sgd(0.1),
+        input_key="x",
+        label_key="y",
+        sink_options={"sharding": sharding, "timeout": args.timeout},
+    )
+    checkpoint = sinkax.ModelCheckpoint(args.checkpoint)
+    resume = checkpoint if checkpoint.latest_step() is not None else None
+    run = model.train(args.epochs, data, [checkpoint], sink_size=args.sink_size, resume_from=resume)
+    result["saved_positions"] = checkpoint.restore(model.state)[1]["data_state"]
+    return model.state.params, run.step
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="folder for each process's JSON result")
@@ -86,57 +135,31 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-process", type=int, default=None)
     parser.add_argument("--fail-at", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--checkpoint", default=None, help="Model.train with ModelCheckpoint")
+    parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args(argv)
 
     import jax
+    import numpy as np
 
     import sinkax
 
     distributed = "SINKAX_PROCESS_ID" in os.environ  # started by sinkax.launch
     if distributed:
         sinkax.distributed.initialize()
-    import numpy as np
-    from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    sharding = NamedSharding(mesh, P("data"))
     fail_at = args.fail_at if args.fail_process == jax.process_index() else None
     data = LocalBatches(jax.process_index(), jax.process_count(), fail_at)
-    options = dict(strategy=args.strategy, sharding=sharding, timeout=args.timeout)
-
-    ids, state, data_state = [], initial_state(), None
     result: dict = {"devices": jax.device_count(), "processes": jax.process_count()}
     try:
-        for calls in (args.calls, args.resume_calls):
-            if not calls:
-                continue
-            with sinkax.data_sink(
-                step, data, args.sink_size, data_state=data_state, **options
-            ) as sink:
-                for _ in range(calls):
-                    state, outs = sink(state)
-                    ids.extend(
-                        np.asarray(multihost_utils.process_allgather(outs["ids"], tiled=True))
-                        .ravel()
-                        .tolist()
-                    )
-                data_state = sink.data_state()
-                result["strategy"] = sink.stats.strategy
+        train = train_model if args.checkpoint else train_sink
+        state, steps = train(args, data, sinkax.distributed.batch_sharding(), result)
     except Exception as error:  # reported, for the test to check on every process
         result["error"] = type(error).__name__
         result["message"] = str(error)
     else:
-        steps = (args.calls + args.resume_calls) * args.sink_size
-        expected = reference(steps)
-        got = jax.device_get(state)
-        result["max_error"] = max(
-            float(np.max(np.abs(np.asarray(got[k]) - np.asarray(expected[k])))) for k in expected
-        )
-        result["ids"] = ids
+        expected, got = reference(steps), jax.device_get(state)
+        result["max_error"] = max(float(np.max(np.abs(got[k] - expected[k]))) for k in expected)
         result["steps"] = steps
-        result["data_state"] = {k: data_state[k] for k in ("epoch", "step")}
         result["sharding"] = str(state["w"].sharding.spec)
     with open(os.path.join(args.out, f"{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)

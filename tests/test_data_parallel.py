@@ -97,3 +97,21 @@ def test_a_dataset_error_on_one_process_stops_both(job, fail_process, fail_at):
     assert other["error"] == "PeerError"
     assert f"Process {fail_process} failed" in other["message"]
     assert failed["message"] in other["message"]
+
+
+def test_two_processes_model_checkpoints_and_resumes_exactly(job, tmp_path):
+    checkpoint = ["--checkpoint", str(tmp_path / "checkpoints"), "--sink-size", "4"]
+    first = job(2, 2, *checkpoint, "--epochs", "1")  # stops mid-pass: 4 of 6 batches
+    for result in first:
+        assert "error" not in result, result
+        positions = result["saved_positions"]["processes"]  # every process's own position
+        assert [(p["epoch"], p["step"]) for p in positions] == [(0, 4), (0, 4)]
+    resumed = job(2, 2, *checkpoint, "--epochs", "3")
+    for result in resumed:
+        assert "error" not in result, result
+        assert result["steps"] == 12
+        assert result["max_error"] < 1e-5  # = 12 plain single-device steps: no batch lost
+        assert [(p["epoch"], p["step"]) for p in result["saved_positions"]["processes"]] == [
+            (2, 0),
+            (2, 0),
+        ]
