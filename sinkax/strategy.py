@@ -150,11 +150,14 @@ class Loop:
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         carry = self._start(state, chunk, offset, steps)
         step = self._executable(carry, chunk, steps)
-        resharded = steps > 1 and len(jax.tree.leaves(chunk)[0].sharding.device_set) > 1
+        devices = jax.tree.leaves(chunk)[0].sharding.device_set
+        bounded = len(devices) > 1 and next(iter(devices)).platform == "cpu"
         for i in range(steps):
             carry = step(carry, chunk)
-            if i == 0 and resharded:  # over several devices the step may return the outputs
-                step = self._executable(carry, chunk, steps)  # sharded otherwise than given
+            if i == 0 and len(devices) > 1:  # over several devices the step may return the
+                step = self._executable(carry, chunk, steps)  # outputs sharded otherwise
+            if bounded:  # XLA:CPU's devices deadlock in a collective with many steps in flight
+                jax.block_until_ready(carry)
         return carry[0], carry[1]
 
 
@@ -288,8 +291,10 @@ def resolve(
     Without jit, ``"eager"``. ``"auto"`` for one-step calls measures nothing: XLA inlines a loop of
     one trip, so ``"scan"`` *is* the standalone step, and on CPU ``"step"`` runs it without the
     ring's copy. ``"step"`` needs one-step calls on one device (it hands over host batches,
-    unplaced). Over several processes ``"auto"`` is ``"scan"``: each process would time its
-    own trials and might choose differently, and every process must run the same programs.
+    unplaced). Over several devices ``"auto"`` is ``"scan"``: across processes each would time
+    its own trials and might choose differently, while every process must run the same
+    programs; and ``"loop"`` over several XLA:CPU devices waits for each step (with many
+    steps in flight their collectives deadlocked here), which ``"scan"`` never needs.
 
     >>> resolve("auto", jit=True, steps_per_call=1, platform="cpu")
     'step'
@@ -312,7 +317,7 @@ def resolve(
         return "eager"
     if name == "auto" and steps_per_call == 1:
         return "step" if platform == "cpu" and devices == 1 else "scan"
-    if name == "auto" and processes > 1:
+    if name == "auto" and (processes > 1 or devices > 1):
         return "scan"
     return name
 
