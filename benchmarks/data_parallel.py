@@ -160,8 +160,14 @@ def main() -> None:
     rows = one_device(args.repeats)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     child = subprocess.run(
-        [sys.executable, __file__, "--part", "four", "--repeats", str(args.repeats)]
-        + ["--block-every", str(args.block_every)],
+        [
+            sys.executable,
+            __file__,
+            "--part",
+            "four",
+            *("--repeats", str(args.repeats)),
+            *("--block-every", str(args.block_every)),
+        ],
         env=env,
         capture_output=True,
         text=True,
