@@ -129,7 +129,8 @@ def four_devices(repeats: int, block_every: int) -> list[dict]:
         w = workload(name, 200)
         sink, sunk = sink_run(w, 100, calls, sharding=sharding)
         rates = interleaved(
-            {"plain": plain_sharded_run(w, 100 * calls, sharding), "sink": sunk}, repeats
+            {"plain": plain_sharded_run(w, 100 * calls, sharding, block_every), "sink": sunk},
+            repeats,
         )
         rows.append(
             {
@@ -171,9 +172,10 @@ def main() -> None:
         env=env,
         capture_output=True,
         text=True,
-        check=True,
         timeout=1800,
     )
+    if child.returncode:
+        sys.exit(f"the 4-device part failed:\n{child.stderr[-3000:]}")
     rows += json.loads(child.stdout.strip().splitlines()[-1])
     columns = [
         "part", "workload", "sink_size", "baseline", "baseline steps/s", "sharded steps/s",
