@@ -48,6 +48,8 @@ def resolve(
             f"P('data')) to split the batch axis) or a SingleDeviceSharding, got "
             f"{type(sharding).__name__}."
         )
+    if len(sharding.device_set) == 1:  # one device: placed as such, which XLA:CPU aliases
+        return SingleDeviceSharding(*sharding.device_set)  # (a NamedSharding's put copies)
     return sharding
 
 

@@ -71,3 +71,10 @@ def test_launch_returns_the_failure_and_kills_the_rest():
     assert launch.run([sys.executable, "-c", code], processes=2, grace=0.5) == 3
     assert time.monotonic() - t0 < 30
     assert launch.run([sys.executable, "-c", "pass"], processes=2) == 0
+
+
+def test_a_one_device_mesh_is_placed_as_its_device():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    resolved = placement.resolve(None, batch, jax.devices)
+    assert resolved == jax.sharding.SingleDeviceSharding(jax.devices()[0])
