@@ -75,12 +75,13 @@ def interleaved(runs: dict, repeats: int) -> dict[str, float]:
 def one_device(repeats: int) -> list[dict]:
     rows = []
     device = jax.devices()[0]
-    for name, sink_size, calls in (("mlp", 1, 300), ("mlp", 100, 3), ("lenet", 100, 2)):
+    cases = (("mlp", 1, 300, "auto"), ("mlp", 100, 3, "scan"), ("lenet", 100, 2, "scan"))
+    for name, sink_size, calls, strategy in cases:  # one strategy for both: auto may differ
         w = workload(name, 200)
         sinks, runs = [], {}
         for label, options in (
-            ("device", {"device": device}),
-            ("sharding", {"sharding": mesh_sharding(1)}),
+            ("device", {"device": device, "strategy": strategy}),
+            ("sharding", {"sharding": mesh_sharding(1), "strategy": strategy}),
         ):
             sink, runs[label] = sinkax_run(w, sink_size * calls, sink_size, **options)
             sinks.append(sink)
