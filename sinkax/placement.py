@@ -17,7 +17,7 @@ array with ``jax.make_array_from_process_local_data``.
 >>> from jax.sharding import NamedSharding, PartitionSpec as P
 >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 >>> stacked(NamedSharding(mesh, P("data"))).spec
-PartitionSpec(None, 'data')
+P(None, 'data')
 """
 
 from __future__ import annotations

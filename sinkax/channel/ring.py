@@ -2,7 +2,9 @@
 
 The producer pulls batches from a :class:`~sinkax.channel.source.Source`, checks each against
 the first batch's :class:`~sinkax.spec.BatchSpec`, stacks ``steps`` of them per leaf into a host
-staging buffer, puts it on the device and queues it, ahead of the consumer. There are
+staging buffer, puts it on the device(s) -- placed by the chunk's sharding; across processes,
+as this process's part of the global chunk (:func:`sinkax.placement.put`) -- and queues it,
+ahead of the consumer. There are
 ``prefetch + 1`` slots, each owning one staging buffer. A chunk holds its slot from the moment
 the producer starts filling it until the consumer says its compute has finished
 (:meth:`DeviceRing.release`), so at most ``prefetch + 1`` chunks are ever on the device:
