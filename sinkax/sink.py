@@ -250,7 +250,7 @@ class Sink:
                 sink_size=self.sink_size,
                 epoch_length=self.epoch_length,
             )
-        except ValueError:
+        except Exception:  # a bad strategy, or processes that disagree or never answer
             self._source.close()
             raise
         self._compiler = Compiler(fn, save_graphs=save_graphs or context.graphs_folder())
