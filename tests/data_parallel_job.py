@@ -134,6 +134,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--fail-process", type=int, default=None)
     parser.add_argument("--fail-at", type=int, default=None)
+    parser.add_argument("--absent-process", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--checkpoint", default=None, help="Model.train with ModelCheckpoint")
     parser.add_argument("--epochs", type=int, default=1)
@@ -151,6 +152,8 @@ def main(argv: list[str]) -> None:
     data = LocalBatches(jax.process_index(), jax.process_count(), fail_at)
     result: dict = {"devices": jax.device_count(), "processes": jax.process_count()}
     try:
+        if args.absent_process == jax.process_index():  # makes no sink at all
+            raise RuntimeError("absent")
         train = train_model if args.checkpoint else train_sink
         state, steps = train(args, data, sinkax.distributed.batch_sharding(), result)
     except Exception as error:  # reported, for the test to check on every process

@@ -115,3 +115,10 @@ def test_two_processes_model_checkpoints_and_resumes_exactly(job, tmp_path):
             (2, 0),
             (2, 0),
         ]
+
+
+def test_a_process_that_never_makes_the_sink_fails_the_other_in_bounded_time(job):
+    results = job(2, 2, "--timeout", "2", "--absent-process", "1")
+    assert results[1]["message"] == "absent"
+    assert results[0]["error"] == "PeerTimeoutError"
+    assert "Process 1 did not create this sink within 4.0 s" in results[0]["message"]
