@@ -99,8 +99,8 @@ def device_scan(w, steps):
     return run
 
 
-def sinkax_run(w, steps, sink_size, strategy):
-    sink = sinkax.data_sink(w.step, w.batches, sink_size, strategy=strategy)
+def sinkax_run(w, steps, sink_size, strategy="auto", **options):
+    sink = sinkax.data_sink(w.step, w.batches, sink_size, strategy=strategy, **options)
     per_call = len(w.batches) if sink_size == -1 else sink_size
     calls = max(1, steps // per_call)
     state = fresh(w.init())

@@ -20,12 +20,12 @@ TARGETS: dict[str, tuple[str, ...]] = {
 
 
 def available() -> dict[str, list[jax.Device]]:
-    """Every device target that JAX can reach here, with its devices."""
+    """Every device target that JAX can reach here, with this process's devices of it."""
     found = {}
     for target, platforms in TARGETS.items():
         for platform in platforms:
             try:
-                found[target] = jax.devices(platform)
+                found[target] = jax.local_devices(backend=platform)
                 break
             except RuntimeError:
                 continue
@@ -40,7 +40,7 @@ def resolve_device(target: str | None = None, device_id: int = 0) -> jax.Device:
     reachable = available()
     listing = ", ".join(f"{t}: {len(d)} device(s)" for t, d in reachable.items())
     if target is None:
-        devices = jax.devices()
+        devices = jax.local_devices()
     elif target not in TARGETS:
         raise ValueError(f"device_target must be one of {list(TARGETS)}, got {target!r}.")
     elif target not in reachable:

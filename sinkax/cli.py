@@ -9,6 +9,8 @@ lines, then the accuracy on the held-out test images and a one-line summary.
     sinkax train --no-sink            # one host batch per step, for comparison
     sinkax train --lr 0.01 --schedule constant --epochs 20   # MindSpore's exact nn.Momentum
     python -m sinkax train --data-dir ~/MNIST --epochs 2
+    sinkax train --devices 4          # data parallel over 4 forced host CPU devices
+    python -m sinkax.launch -n 2 -- sinkax train --devices 2   # 2 processes x 2 devices
 
 The default optimizer is SGD with momentum 0.9 (``nn.Momentum``) at a peak learning rate of 0.03
 decayed to 0 by a cosine schedule: LeNet5's TruncatedNormal(0.02) initialisation leaves the loss
@@ -23,6 +25,7 @@ flat at log(10) for several epochs, and the reference's constant 0.01 gets off t
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 
@@ -54,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--device", default="CPU", help="device target: CPU, GPU or Ascend")
     train.add_argument("--device-id", type=int, default=0, help="device number")
+    train.add_argument(
+        "--devices",
+        type=_positive,
+        default=None,
+        help="data parallel: split each batch over this many forced host CPU devices (per "
+        "process under python -m sinkax.launch, which also splits over the processes)",
+    )
     train.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed")
     train.add_argument("--lr", type=float, default=0.03, help="(peak) learning rate")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
@@ -73,9 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _eval_batch_size(num_images: int, limit: int = 500) -> int:
-    """The largest batch size up to ``limit`` that divides ``num_images``: no image left out."""
-    return max(size for size in range(1, min(limit, num_images) + 1) if num_images % size == 0)
+def _eval_batch_size(num_images: int, limit: int = 500, multiple_of: int = 1) -> int:
+    """The largest batch size up to ``limit`` that divides ``num_images`` (no image left out)
+    and splits evenly over ``multiple_of`` devices (else the largest multiple of it: the
+    remainder is left out).
+
+    >>> _eval_batch_size(1000), _eval_batch_size(1000, multiple_of=3)
+    (500, 498)
+    """
+    sizes = range(multiple_of, min(limit, num_images) + 1, multiple_of)
+    whole = [size for size in sizes if num_images % size == 0]
+    return max(whole or sizes)
 
 
 def train_lenet(args: argparse.Namespace) -> float:
@@ -88,17 +106,40 @@ def train_lenet(args: argparse.Namespace) -> float:
     from sinkax.train import LossMonitor, Model, ModelCheckpoint, TimeMonitor, cross_entropy
 
     start = time.perf_counter()
+    launched = "SINKAX_PROCESS_ID" in os.environ  # by python -m sinkax.launch
+    if args.devices is not None:
+        if args.device != "CPU":
+            raise ValueError("--devices forces host CPU devices: use it with --device CPU.")
+        jax.config.update("jax_num_cpu_devices", args.devices)  # before jax starts its backend
+    if launched:
+        sinkax.distributed.initialize()
     sinkax.set_context(mode=sinkax.GRAPH_MODE, device_target=args.device, device_id=args.device_id)
+    parallel = args.devices is not None or launched
+    if parallel and args.batch_size % jax.device_count():
+        raise ValueError(
+            f"--batch-size {args.batch_size} does not split over {jax.device_count()} devices: "
+            "give a multiple of the number of devices."
+        )
     train_set = datasets.lenet_mnist(args.batch_size, "train", args.seed, args.data_dir)
     num_test = len(datasets.mnist("test", args.data_dir))
-    test_set = datasets.lenet_mnist(_eval_batch_size(num_test), "test", data_dir=args.data_dir)
+    eval_batch = _eval_batch_size(num_test, multiple_of=jax.device_count() if parallel else 1)
+    test_set = datasets.lenet_mnist(eval_batch, "test", data_dir=args.data_dir)
+    sink_options = {}
+    if parallel:  # every process feeds its block of each global batch
+        sink_options["sharding"] = sinkax.distributed.batch_sharding()
+        train_set = train_set.map(sinkax.distributed.local_rows)
+        test_set = test_set.map(sinkax.distributed.local_rows)
+    where = (
+        f"{jax.device_count()} devices in {jax.process_count()} process(es), batch split"
+        if parallel
+        else f"{sinkax.context.default_device()}"
+    )
     source = args.data_dir or "the bundled 5,000-image sample"
     steps = args.sink_size if args.sink_size > 0 and not args.no_sink else len(train_set)
     print(
         f"LeNet5 on MNIST from {source}: {len(train_set) * args.batch_size} training images in "
         f"batches of {args.batch_size}, {num_test} test images; {args.epochs} epochs of {steps} "
-        f"steps, {'no sink' if args.no_sink else f'sink_size={args.sink_size}'}, on "
-        f"{sinkax.context.default_device()}",
+        f"steps, {'no sink' if args.no_sink else f'sink_size={args.sink_size}'}, on {where}",
         flush=True,
     )
     lr = args.lr
@@ -109,6 +150,7 @@ def train_lenet(args: argparse.Namespace) -> float:
         nets.lenet5_init(jax.random.key(args.seed)),
         cross_entropy,
         optax.sgd(lr, momentum=args.momentum),
+        sink_options=sink_options,
     )
     callbacks = [LossMonitor(), TimeMonitor()]
     resume = None

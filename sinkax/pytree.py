@@ -26,10 +26,10 @@ def is_extended(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
-def stacked_zeros(tree: Any, steps: int, device: jax.Device) -> Any:
+def stacked_zeros(tree: Any, steps: int, device: jax.Device | jax.sharding.Sharding) -> Any:
     """Zero buffers for ``steps`` stacked leaves of the abstract ``tree``, to ``device_put`` to
-    ``device`` in one transfer: numpy arrays, except for extended dtypes (typed keys), which
-    numpy cannot hold and are built on ``device`` directly.
+    ``device`` (a device or a sharding) in one transfer: numpy arrays, except for extended
+    dtypes (typed keys), which numpy cannot hold and are built there directly.
 
     >>> key = jax.eval_shape(jax.random.key, 0)
     >>> out = {"loss": jax.ShapeDtypeStruct((), np.float32), "key": key}

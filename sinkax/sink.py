@@ -32,7 +32,7 @@ from typing import Any
 import grain
 import jax
 
-from sinkax import context, interrupt
+from sinkax import context, distributed, interrupt, placement
 from sinkax import strategy as strategies
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, Source, as_source, snapshot
@@ -217,6 +217,7 @@ class Sink:
         max_chunk_bytes: int = 256 << 20,
         timeout: float = 60.0,
         device: jax.Device | None = None,
+        sharding: jax.sharding.Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         read_options: grain.ReadOptions | None = None,
         data_state: dict[str, Any] | None = None,
@@ -228,7 +229,7 @@ class Sink:
         self.timeout = float(timeout)
         self.prefetch = int(prefetch)
         self.max_chunk_bytes = int(max_chunk_bytes)
-        self.device = device or context.default_device()
+        self.sharding = placement.resolve(device, sharding, context.default_device)
         self._source = as_source(dataset, read_options)
         if self.sink_size == -1 and self._source.epoch_length is None:
             self._source.close()
@@ -242,9 +243,17 @@ class Sink:
                 strategy,
                 jit=self.jit,
                 steps_per_call=self.steps_per_call,
-                platform=self.device.platform,
+                platform=placement.platform(self.sharding),
+                devices=placement.devices(self.sharding),
+                processes=jax.process_count(),
             )
-        except ValueError:
+            self._peers = distributed.Peers.of(
+                self.sharding,
+                self.timeout,
+                sink_size=self.sink_size,
+                epoch_length=self.epoch_length,
+            )
+        except Exception:  # a bad strategy, or processes that disagree or never answer
             self._source.close()
             raise
         self._compiler = Compiler(fn, save_graphs=save_graphs or context.graphs_folder())
@@ -278,7 +287,7 @@ class Sink:
             # the plan holds no reference to the sink: an unclosed sink can still be collected
             functools.partial(plan, self.sink_size, self.epoch_length, self.max_chunk_bytes),
             prefetch=self.prefetch,
-            device=self.device,
+            sharding=placement.stacked(self.sharding),
             stack=strategies.takes_stacked_chunks(self._strategy_name),
         )
         self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
@@ -445,7 +454,7 @@ class Sink:
             carry = () if not stateful else self._on_device(arrays)
             t_call, wait_before = time.perf_counter(), self._data_wait_s
             while True:
-                chunk = self._current_chunk()
+                chunk = self._peers.agree(self._current_chunk)
                 piece = chunk.pieces[self._piece]
                 if stateful and self.jit and not parts:  # the caller's state must stay valid:
                     if piece.ends_call and run.atomic:  # one dispatch donates it; after that,
@@ -476,7 +485,8 @@ class Sink:
             returned = carry if static is None else static.combine(carry)  # static: put back
             self._handed_back = (returned, carry)
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
-        except BaseException:
+        except BaseException as error:
+            self._peers.fail(error)  # the other processes raise too, none waits for this one
             if guarded:
                 interrupt.GUARD.state = None
             if parts:  # data was consumed and not delivered: the next call rewinds
@@ -501,7 +511,7 @@ class Sink:
         if state is self._returned:
             return state
         check_alive(state)
-        state = jax.device_put(state, self.device)
+        state = placement.place_state(state, self.sharding)
         if not self.jit:
             return state
         batch = self._ring.first_spec(self.timeout).abstract
@@ -596,6 +606,11 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.
       device: where data and compute go (default from the context).
+      sharding: instead of ``device``, a ``jax.sharding.Sharding`` of one batch, e.g.
+        ``NamedSharding(mesh, P("data"))`` to split the batch axis over the mesh's devices
+        (data parallelism; the state is replicated unless already placed on those devices).
+        Across ``jax.distributed`` processes each process's dataset yields its own part of
+        every global batch (see :mod:`sinkax.distributed`).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).

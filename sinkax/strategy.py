@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sinkax import placement
 from sinkax.executable import (
     Compiler,
     StepFn,
@@ -137,9 +138,9 @@ class Loop:
     def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
         key = ("out_shape", layout((state, chunk)))
         out = self._compiler.memo(key, lambda: self._out_shape(state, chunk))
-        device = jax.tree.leaves(chunk)[0].device
-        outs = stacked_zeros(out, steps, device)
-        start = jax.device_put((outs, np.int32(offset), np.int32(0)), device)  # one transfer
+        where = placement.replicated(jax.tree.leaves(chunk)[0].sharding)
+        outs = stacked_zeros(out, steps, where)
+        start = jax.device_put((outs, np.int32(offset), np.int32(0)), where)  # one transfer
         return (state, *start)
 
     def _executable(self, carry: Any, chunk: Any, steps: int) -> Any:
@@ -151,8 +152,14 @@ class Loop:
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         carry = self._start(state, chunk, offset, steps)
         step = self._executable(carry, chunk, steps)
-        for _ in range(steps):
+        devices = jax.tree.leaves(chunk)[0].sharding.device_set
+        bounded = len(devices) > 1 and next(iter(devices)).platform == "cpu"
+        for i in range(steps):
             carry = step(carry, chunk)
+            if i == 0 and len(devices) > 1:  # over several devices the step may return the
+                step = self._executable(carry, chunk, steps)  # outputs sharded otherwise
+            if bounded:  # XLA:CPU's devices deadlock in a collective with many steps in flight
+                jax.block_until_ready(carry)
         return carry[0], carry[1]
 
 
@@ -273,13 +280,25 @@ class Auto:
         return self._first
 
 
-def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) -> str:
+def resolve(
+    name: str,
+    *,
+    jit: bool,
+    steps_per_call: int | None,
+    platform: str,
+    devices: int = 1,
+    processes: int = 1,
+) -> str:
     """The strategy a sink runs, by name: ``name`` itself, or what ``"auto"`` settles to
     without measuring.
 
     Without jit, ``"eager"``. ``"auto"`` for one-step calls measures nothing: XLA inlines a loop of
     one trip, so ``"scan"`` *is* the standalone step, and on CPU ``"step"`` runs it without the
-    ring's copy. ``"step"`` needs one-step calls.
+    ring's copy. ``"step"`` needs one-step calls on one device (it hands over host batches,
+    unplaced). Over several devices ``"auto"`` is ``"scan"``: across processes each would time
+    its own trials and might choose differently, while every process must run the same
+    programs; and ``"loop"`` over several XLA:CPU devices waits for each step (with many
+    steps in flight their collectives deadlocked here), which ``"scan"`` never needs.
 
     >>> resolve("auto", jit=True, steps_per_call=1, platform="cpu")
     'step'
@@ -293,10 +312,17 @@ def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) 
             f"strategy='step' runs one step per call, but this sink runs {steps_per_call} steps "
             "per call. Use sink_size=1, or strategy='scan' / 'loop' / 'auto' for longer sinks."
         )
+    if name == "step" and devices > 1:
+        raise ValueError(
+            f"strategy='step' hands each host batch to the step unplaced, on one device; this "
+            f"sink's sharding spans {devices} devices. Use strategy='scan' (or 'auto')."
+        )
     if not jit:
         return "eager"
     if name == "auto" and steps_per_call == 1:
-        return "step" if platform == "cpu" else "scan"
+        return "step" if platform == "cpu" and devices == 1 else "scan"
+    if name == "auto" and (processes > 1 or devices > 1):
+        return "scan"
     return name
 
 

@@ -67,3 +67,18 @@ def test_the_default_run_reaches_95_percent(capsys):
     assert main(["train"]) == 0
     accuracy = re.search(r"^test accuracy: (0\.\d{4})", capsys.readouterr().out, re.M)
     assert accuracy and float(accuracy.group(1)) >= 0.95
+
+
+@pytest.mark.slow
+def test_train_splits_batches_over_forced_devices():
+    pytest.importorskip("mlxtend")
+    command = ["train", "--devices", "2", "--epochs", "1", "--sink-size", "5"]
+    result = subprocess.run(
+        [sys.executable, "-m", "sinkax", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on 2 devices in 1 process(es), batch split" in result.stdout
+    assert re.search(r"^epoch: 1 step: 5, loss is [0-9.]+$", result.stdout, re.M)

@@ -818,7 +818,7 @@ def test_one_step_calls_get_copies_that_xla_takes_as_they_are():
         as_source(batches),
         plan=lambda spec, position: itertools.repeat([(1, True)] * 4),
         prefetch=1,
-        device=jax.devices()[0],
+        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]),
         stack=False,
     )
     try:

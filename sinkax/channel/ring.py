@@ -2,7 +2,9 @@
 
 The producer pulls batches from a :class:`~sinkax.channel.source.Source`, checks each against
 the first batch's :class:`~sinkax.spec.BatchSpec`, stacks ``steps`` of them per leaf into a host
-staging buffer, puts it on the device and queues it, ahead of the consumer. There are
+staging buffer, puts it on the device(s) -- placed by the chunk's sharding; across processes,
+as this process's part of the global chunk (:func:`sinkax.placement.put`) -- and queues it,
+ahead of the consumer. There are
 ``prefetch + 1`` slots, each owning one staging buffer. A chunk holds its slot from the moment
 the producer starts filling it until the consumer says its compute has finished
 (:meth:`DeviceRing.release`), so at most ``prefetch + 1`` chunks are ever on the device:
@@ -41,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sinkax import affinity
+from sinkax import affinity, placement
 from sinkax.channel.source import Position, Source
 from sinkax.errors import SinkTimeoutError
 from sinkax.spec import BatchSpec, check
@@ -127,7 +129,7 @@ class DeviceRing:
     >>> from sinkax.channel.source import as_source
     >>> ring = DeviceRing(as_source([{"x": np.array([i])} for i in range(4)]),
     ...                   plan=lambda spec, pos: iter([[(1, True), (2, True)]] * 10), prefetch=1,
-    ...                   device=jax.devices()[0])
+    ...                   sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     >>> first = ring.get(timeout=10.0)  # the first chunk goes out after its first piece
     >>> ring.release(); second = ring.get(timeout=10.0)
     >>> second.data["x"][:2].tolist(), [p.position for p in second.pieces]
@@ -142,12 +144,12 @@ class DeviceRing:
         plan: Plan,
         *,
         prefetch: int,
-        device: jax.Device,
+        sharding: jax.sharding.Sharding,
         stack: bool = True,
     ):
         self._source = source
         self._plan = plan
-        self._device = device
+        self._sharding = sharding
         self.stack = stack
         self._free: queue.Queue[list[np.ndarray] | None] = queue.Queue()
         for _ in range(prefetch + 1):
@@ -275,7 +277,8 @@ class DeviceRing:
         assert spec is not None
         steps = sum(piece.steps for piece in pieces)
         if self.stack:
-            data = jax.device_put(jax.tree_util.tree_unflatten(spec.treedef, staging), self._device)
+            tree = jax.tree_util.tree_unflatten(spec.treedef, staging)
+            data = placement.put(tree, self._sharding)
             jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
         else:
             data = tuple(batches[:steps])

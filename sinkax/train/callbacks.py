@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sinkax import distributed
+
 if TYPE_CHECKING:
     from sinkax.sink import SinkStats
     from sinkax.train.helper import DatasetHelper
@@ -395,7 +397,7 @@ class ModelCheckpoint(Callback):
         meta = {
             "epoch": run.epoch,
             "step": run.step,
-            "data_state": run.data_state(),
+            "data_state": distributed.shared_position(run.data_state()),
             "layout": layout(state),
         }
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))

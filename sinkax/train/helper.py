@@ -30,9 +30,7 @@ import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
-
-from sinkax import context, interrupt
+from sinkax import context, interrupt, placement
 from sinkax import strategy as strategies
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
@@ -258,12 +256,16 @@ class _HostNet:
 
     def __init__(self, fn: Callable[..., Any], feed: _HostFeed, options: dict[str, Any]):
         self._feed = feed
-        self._device = options.get("device") or context.default_device()
-        name = strategies.resolve(  # "step", or "eager" without jit
-            "step",
+        self._sharding = placement.resolve(
+            options.get("device"), options.get("sharding"), context.default_device
+        )
+        devices = placement.devices(self._sharding)
+        name = strategies.resolve(  # "step" on one device, "eager" without jit
+            "step" if devices == 1 else "scan",
             jit=context.jit_enabled(options.get("jit")),
             steps_per_call=1,
-            platform=self._device.platform,
+            platform=placement.platform(self._sharding),
+            devices=devices,
         )
         self._stacked = strategies.takes_stacked_chunks(name)
         compiler = Compiler(fn, save_graphs=options.get("save_graphs") or context.graphs_folder())
@@ -277,7 +279,7 @@ class _HostNet:
         feed = self._feed
         batch = feed.take()
         if self._stacked:  # a window of one batch, stacked on the device
-            window = with_leading_axis(jax.device_put(batch, self._device))
+            window = with_leading_axis(placement.put(batch, self._sharding))
         else:  # "step": XLA takes the host batch at dispatch, as a plain jitted step does
             window = (batch,)
         guarded = False  # as in Sink.__call__
@@ -286,7 +288,7 @@ class _HostNet:
                 out = self._stateless.run((), window, 0, 1)[1]
             else:
                 if state is not self._returned:  # (device_put walks the tree: ~80 µs a state)
-                    state = jax.device_put(state, self._device)
+                    state = placement.place_state(state, self._sharding)
                 guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
                 out = self._stateful.run(state, window, 0, 1)
                 self._returned = out[0]

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sinkax import context
+from sinkax import context, distributed
 from sinkax.channel.source import known_length
 from sinkax.executable import copy_tree
 from sinkax.train.callbacks import Callback, ModelCheckpoint, RunContext
@@ -257,6 +257,7 @@ class Model:
             checkpoint = ModelCheckpoint(checkpoint)
         state, meta = checkpoint.restore(self.state, step)
         state = jax.device_put(state, context.default_device())
+        meta["data_state"] = distributed.own_position(meta["data_state"])
         return state, {key: meta[key] for key in ("epoch", "step", "data_state")}
 
     def eval(self, valid_dataset: Any, dataset_sink_mode: bool = True) -> dict[str, float]:

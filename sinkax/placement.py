@@ -1,0 +1,102 @@
+"""Placement: where a sink's batches, chunks and state live, as a ``jax.sharding.Sharding``.
+
+A sink is placed by the sharding of one *batch*. ``SingleDeviceSharding(device)`` puts
+everything on one device. A ``NamedSharding(mesh, P("data"))`` splits each batch's leading
+axis over the mesh's ``"data"`` axis: data parallelism. From the batch sharding follow
+
+* the *chunk* sharding (:func:`stacked`): batches stacked on a new leading steps axis, which is
+  never split, each batch split as the batch sharding says;
+* the *state* placement (:func:`place_state`): every leaf replicated over the mesh, unless the
+  caller already put it on the mesh's devices (then it stays as the caller sharded it).
+
+Across processes (``jax.distributed``) a sharding spans devices this process cannot address;
+each process then supplies only its part of every batch and :func:`put` assembles the global
+array with ``jax.make_array_from_process_local_data``.
+
+>>> import jax
+>>> from jax.sharding import NamedSharding, PartitionSpec as P
+>>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+>>> stacked(NamedSharding(mesh, P("data"))).spec
+P(None, 'data')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+
+def resolve(
+    device: jax.Device | None, sharding: Sharding | None, default: Callable[[], jax.Device]
+) -> Sharding:
+    """The batch sharding of a sink given ``device=`` or ``sharding=`` (not both); the device
+    ``default()`` when neither is given."""
+    if device is not None and sharding is not None:
+        raise ValueError(
+            "Give either device= (one device) or sharding= (a batch sharding), not both: "
+            "sharding=jax.sharding.SingleDeviceSharding(device) is the same as device=device."
+        )
+    if sharding is None:
+        return SingleDeviceSharding(device or default())
+    if not isinstance(sharding, SingleDeviceSharding | NamedSharding):
+        raise TypeError(
+            f"sharding must be a jax.sharding.NamedSharding (e.g. NamedSharding(mesh, "
+            f"P('data')) to split the batch axis) or a SingleDeviceSharding, got "
+            f"{type(sharding).__name__}."
+        )
+    if len(sharding.device_set) == 1:  # one device: placed as such, which XLA:CPU aliases
+        return SingleDeviceSharding(*sharding.device_set)  # (a NamedSharding's put copies)
+    return sharding
+
+
+def devices(sharding: Sharding) -> int:
+    """How many devices ``sharding`` spans, in every process."""
+    return len(sharding.device_set)
+
+
+def platform(sharding: Sharding) -> str:
+    """The platform of ``sharding``'s devices (``"cpu"``, ``"gpu"``, ...)."""
+    return next(iter(sharding.device_set)).platform
+
+
+def stacked(sharding: Sharding) -> Sharding:
+    """The sharding of batches stacked on a new leading axis, each placed as ``sharding``."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return sharding
+
+
+def replicated(sharding: Sharding) -> Sharding:
+    """A full copy on every device of ``sharding``."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    return sharding
+
+
+def put(tree: Any, sharding: Sharding) -> Any:
+    """``tree`` of host arrays placed as ``sharding``; when ``sharding`` spans other processes,
+    ``tree`` is this process's part and the result the global arrays (every process calls)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+
+
+def place_state(state: Any, sharding: Sharding) -> Any:
+    """``state`` on the devices of the batch sharding ``sharding``: each leaf as the caller
+    sharded it over those devices, any other replicated."""
+    if isinstance(sharding, SingleDeviceSharding):
+        return jax.device_put(state, sharding)  # one walk over the tree
+    target = replicated(sharding)
+
+    def place(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and leaf.sharding.device_set == sharding.device_set:
+            return leaf
+        if not target.is_fully_addressable:  # every process holds the same host value
+            leaf = np.asarray(leaf)
+        return jax.device_put(leaf, target)
+
+    return jax.tree.map(place, state)

@@ -1,0 +1,174 @@
+"""One process of a data-parallel sink job, for tests/test_data_parallel.py (run as a script).
+
+Trains a linear model by SGD over ``EPOCH`` global batches of ``BATCH`` rows, each process feeding
+its contiguous block of every global batch, with ``sinkax.data_sink(..., sharding=...)``; writes
+a JSON file per process into ``--out``: the row ids every step saw (over all processes), the
+final state's largest difference from plain single-device training on the same global batches,
+the data position.
+
+    python tests/data_parallel_job.py --out /tmp/r --calls 3 --sink-size 5    # one process
+    python -m sinkax.launch -n 2 --devices 2 -- python tests/data_parallel_job.py --out /tmp/r
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+EPOCH, BATCH, FEATURES = 6, 8, 3
+
+
+def global_batch(k: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(k)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + 0.3).astype(np.float32)
+    return {"x": x, "y": y, "ids": np.arange(k * BATCH, (k + 1) * BATCH, dtype=np.int32)}
+
+
+class LocalBatches:
+    """This process's block of every global batch; raises at batch ``fail_at`` if given."""
+
+    def __init__(self, process: int, processes: int, fail_at: int | None = None):
+        self.process, self.processes, self.fail_at = process, processes, fail_at
+
+    def __len__(self) -> int:
+        return EPOCH
+
+    def __iter__(self):
+        rows = BATCH // self.processes
+        for k in range(EPOCH):
+            if k == self.fail_at:
+                raise ValueError(f"bad record in batch {k} of process {self.process}")
+            block = slice(self.process * rows, (self.process + 1) * rows)
+            yield {key: value[block] for key, value in global_batch(k).items()}
+
+
+def step(state, batch):
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(params):
+        return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state)
+    state = jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+    return state, {"loss": loss, "ids": batch["ids"]}
+
+
+def initial_state() -> dict:
+    import numpy as np
+
+    return {"w": np.zeros(FEATURES, np.float32), "b": np.float32(0.0)}
+
+
+def reference(steps: int) -> dict:
+    """Plain jitted single-device training over the first ``steps`` global batches."""
+    import jax
+
+    run = jax.jit(step)
+    state = initial_state()
+    for s in range(steps):
+        state, _ = run(state, global_batch(s % EPOCH))
+    return jax.device_get(state)
+
+
+def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
+    """``--calls`` calls of a sink, then ``--resume-calls`` of a new one from its data_state."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import sinkax
+
+    options = dict(strategy=args.strategy, sharding=sharding, timeout=args.timeout)
+    ids, state, data_state = [], initial_state(), None
+    for calls in (args.calls, args.resume_calls):
+        if not calls:
+            continue
+        sink = sinkax.data_sink(step, data, args.sink_size, data_state=data_state, **options)
+        with sink:
+            for _ in range(calls):
+                state, outs = sink(state)
+                seen = multihost_utils.process_allgather(outs["ids"], tiled=True)
+                ids.extend(np.asarray(seen).ravel().tolist())
+            data_state = sink.data_state()
+            result["strategy"] = sink.stats.strategy
+    result["ids"] = ids
+    result["data_state"] = {k: data_state[k] for k in ("epoch", "step")}
+    return state, (args.calls + args.resume_calls) * args.sink_size
+
+
+def train_model(args, data, sharding, result: dict) -> tuple[dict, int]:
+    """``Model.train`` up to epoch ``--epochs`` of ``--sink-size`` steps, checkpointing each into
+    ``--checkpoint`` and resuming from it when it holds one."""
+    import jax.numpy as jnp
+    import optax
+
+    import sinkax
+
+    model = sinkax.Model(
+        lambda params, x: x @ params["w"] + params["b"],
+        initial_state(),
+        lambda out, y: jnp.mean((out - y) ** 2),
+        optax.sgd(0.1),
+        input_key="x",
+        label_key="y",
+        sink_options={"sharding": sharding, "timeout": args.timeout},
+    )
+    checkpoint = sinkax.ModelCheckpoint(args.checkpoint)
+    resume = checkpoint if checkpoint.latest_step() is not None else None
+    run = model.train(args.epochs, data, [checkpoint], sink_size=args.sink_size, resume_from=resume)
+    result["saved_positions"] = checkpoint.restore(model.state)[1]["data_state"]
+    return model.state.params, run.step
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, help="folder for each process's JSON result")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--resume-calls", type=int, default=0, help="then a new sink, resumed")
+    parser.add_argument("--sink-size", type=int, default=5)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--fail-process", type=int, default=None)
+    parser.add_argument("--fail-at", type=int, default=None)
+    parser.add_argument("--absent-process", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--checkpoint", default=None, help="Model.train with ModelCheckpoint")
+    parser.add_argument("--epochs", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    import sinkax
+
+    distributed = "SINKAX_PROCESS_ID" in os.environ  # started by sinkax.launch
+    if distributed:
+        sinkax.distributed.initialize()
+    fail_at = args.fail_at if args.fail_process == jax.process_index() else None
+    data = LocalBatches(jax.process_index(), jax.process_count(), fail_at)
+    result: dict = {"devices": jax.device_count(), "processes": jax.process_count()}
+    try:
+        if args.absent_process == jax.process_index():  # makes no sink at all
+            raise RuntimeError("absent")
+        train = train_model if args.checkpoint else train_sink
+        state, steps = train(args, data, sinkax.distributed.batch_sharding(), result)
+    except Exception as error:  # reported, for the test to check on every process
+        result["error"] = type(error).__name__
+        result["message"] = str(error)
+    else:
+        expected, got = reference(steps), jax.device_get(state)
+        result["max_error"] = max(float(np.max(np.abs(got[k] - expected[k]))) for k in expected)
+        result["steps"] = steps
+        result["sharding"] = str(state["w"].sharding.spec)
+    with open(os.path.join(args.out, f"{jax.process_index()}.json"), "w") as f:
+        json.dump(result, f)
+    if distributed:  # waits for every process: the coordinator (process 0) must outlive
+        jax.distributed.shutdown()  # the others' last reads of its key-value store
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""Data-parallel sinks: 4 forced host devices in one process, and 2 processes x 2 devices.
+
+Each case runs tests/data_parallel_job.py in fresh processes (forced host devices must be set
+before jax starts), through ``sinkax.launch`` for the multi-process ones; the ``job`` fixture
+kills whatever is left of them, also when a test fails, and bounds each case in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from data_parallel_job import BATCH, EPOCH
+
+JOB = Path(__file__).with_name("data_parallel_job.py")
+LIMIT_S = 120
+
+
+@pytest.fixture
+def job(tmp_path):
+    """``job(processes, devices, *args) -> [result of each process]``; kills leftovers."""
+    started: list[subprocess.Popen] = []
+
+    def run(processes: int, devices: int, *args: str) -> list[dict]:
+        out = tmp_path / f"run{len(started)}"
+        out.mkdir()
+        script = [sys.executable, str(JOB), "--out", str(out), *args]
+        if processes == 1:
+            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+            command = script
+        else:
+            env = dict(os.environ)
+            launch = [sys.executable, "-m", "sinkax.launch", "-n", str(processes)]
+            command = [*launch, "--devices", str(devices), "--grace", "20", "--", *script]
+        log = open(tmp_path / f"run{len(started)}.log", "w")  # noqa: SIM115 (closed by the OS)
+        child = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        started.append(child)
+        code = child.wait(timeout=LIMIT_S)
+        text = (tmp_path / f"run{len(started) - 1}.log").read_text()
+        assert code == 0, text[-4000:]
+        return [json.loads((out / f"{i}.json").read_text()) for i in range(processes)]
+
+    yield run
+    for child in started:  # the launcher and its processes share its session's process group
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+def expected_ids(steps: int) -> list[int]:
+    """Row ids of ``steps`` global batches from the start: every row once per epoch, in order."""
+    return [(step % EPOCH) * BATCH + row for step in range(steps) for row in range(BATCH)]
+
+
+def check_training(results: list[dict], steps: int, devices: int, processes: int) -> None:
+    for result in results:
+        assert "error" not in result, result
+        assert (result["devices"], result["processes"]) == (devices, processes)
+        assert result["ids"] == expected_ids(steps)  # exactly once over the global batches
+        assert result["max_error"] < 1e-5  # the same as single-device training
+        assert result["data_state"] == {"epoch": steps // EPOCH, "step": steps % EPOCH}
+
+
+@pytest.mark.parametrize("strategy", ["scan", "loop", "auto"])
+def test_four_devices_train_like_one(job, strategy):
+    results = job(1, 4, "--calls", "3", "--sink-size", "5", "--strategy", strategy)
+    check_training(results, steps=15, devices=4, processes=1)
+    assert results[0]["sharding"] == "P()"  # the state stays replicated
+
+
+def test_four_devices_one_step_calls_and_resume(job):
+    results = job(1, 4, "--calls", "4", "--sink-size", "1", "--resume-calls", "9")
+    check_training(results, steps=13, devices=4, processes=1)
+    assert results[0]["strategy"] == "scan"  # not "step": its host batches are unplaced
+
+
+def test_two_processes_train_like_one_and_resume_exactly(job):
+    results = job(2, 2, "--calls", "3", "--sink-size", "5", "--resume-calls", "2")
+    check_training(results, steps=25, devices=4, processes=2)
+    assert {r["strategy"] for r in results} == {"scan"}  # agreed: auto is scan across processes
+
+
+@pytest.mark.parametrize("fail_process, fail_at", [(0, 0), (1, 4)])
+def test_a_dataset_error_on_one_process_stops_both(job, fail_process, fail_at):
+    args = ["--calls", "3", "--sink-size", "5", "--timeout", "20"]
+    results = job(2, 2, *args, "--fail-process", str(fail_process), "--fail-at", str(fail_at))
+    failed, other = results[fail_process], results[1 - fail_process]
+    assert failed["error"] == "ValueError"
+    assert failed["message"] == f"bad record in batch {fail_at} of process {fail_process}"
+    assert other["error"] == "PeerError"
+    assert f"Process {fail_process} failed" in other["message"]
+    assert failed["message"] in other["message"]
+
+
+def test_two_processes_model_checkpoints_and_resumes_exactly(job, tmp_path):
+    checkpoint = ["--checkpoint", str(tmp_path / "checkpoints"), "--sink-size", "4"]
+    first = job(2, 2, *checkpoint, "--epochs", "1")  # stops mid-pass: 4 of 6 batches
+    for result in first:
+        assert "error" not in result, result
+        positions = result["saved_positions"]["processes"]  # every process's own position
+        assert [(p["epoch"], p["step"]) for p in positions] == [(0, 4), (0, 4)]
+    resumed = job(2, 2, *checkpoint, "--epochs", "3")
+    for result in resumed:
+        assert "error" not in result, result
+        assert result["steps"] == 12
+        assert result["max_error"] < 1e-5  # = 12 plain single-device steps: no batch lost
+        assert [(p["epoch"], p["step"]) for p in result["saved_positions"]["processes"]] == [
+            (2, 0),
+            (2, 0),
+        ]
+
+
+def test_a_process_that_never_makes_the_sink_fails_the_other_in_bounded_time(job):
+    results = job(2, 2, "--timeout", "2", "--absent-process", "1")
+    assert results[1]["message"] == "absent"
+    assert results[0]["error"] == "PeerTimeoutError"
+    assert "Process 1 did not create this sink within 4.0 s" in results[0]["message"]

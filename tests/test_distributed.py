@@ -1,0 +1,80 @@
+"""Placement, process-local feeding and the local launcher, in this (single-device) process."""
+
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import sinkax
+from sinkax import distributed, launch, placement, strategy
+
+
+def test_device_and_sharding_together_is_an_error():
+    device = jax.devices()[0]
+    with pytest.raises(ValueError, match=r"either device= .* or sharding="):
+        placement.resolve(device, jax.sharding.SingleDeviceSharding(device), jax.devices)
+    with pytest.raises(ValueError, match="either device="):
+        sinkax.data_sink(
+            lambda s, b: (s, b),
+            [np.zeros(2)],
+            device=device,
+            sharding=jax.sharding.SingleDeviceSharding(device),
+        )
+
+
+def test_one_device_sharding_is_the_device():
+    device = jax.devices()[0]
+    data = [{"x": np.float32(i)} for i in range(4)]
+    step = lambda s, b: (s + b["x"], s)  # noqa: E731
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    with sinkax.data_sink(step, data, 3, sharding=sharding) as sink:
+        total, seen = sink(np.float32(0))
+    assert float(total) == 3.0 and seen.tolist() == [0.0, 0.0, 1.0]
+    assert total.sharding == sharding
+
+
+def test_step_strategy_is_refused_on_many_devices_and_auto_avoids_it():
+    with pytest.raises(ValueError, match="spans 4 devices"):
+        strategy.resolve("step", jit=True, steps_per_call=1, platform="cpu", devices=4)
+    assert strategy.resolve("auto", jit=True, steps_per_call=1, platform="cpu", devices=4) == "scan"
+    assert strategy.resolve("auto", jit=True, steps_per_call=1, platform="cpu") == "step"
+    assert strategy.resolve("auto", jit=True, steps_per_call=8, platform="cpu", processes=2) == (
+        "scan"
+    )
+
+
+def test_positions_of_another_number_of_processes_are_refused():
+    position = {"epoch": 0, "step": 3, "source": {}}
+    assert distributed.own_position(distributed.shared_position(position)) == position
+    with pytest.raises(ValueError, match="2 process\\(es\\), but this job has 1"):
+        distributed.own_position({"processes": [position, position]})
+
+
+def test_local_rows_refuses_an_uneven_split(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert distributed.local_rows({"x": np.arange(6)})["x"].tolist() == [2, 3]
+    with pytest.raises(ValueError, match="8 rows cannot be split evenly over 3 processes"):
+        distributed.local_rows({"x": np.arange(8)})
+
+
+def test_launch_returns_the_failure_and_kills_the_rest():
+    # process 1 fails at once; process 0 would sleep for a minute: the launcher kills it
+    code = (
+        "import os, sys, time; i = int(os.environ['SINKAX_PROCESS_ID']); "
+        "assert os.environ['SINKAX_NUM_PROCESSES'] == '2'; "
+        "sys.exit(3) if i == 1 else time.sleep(60)"
+    )
+    t0 = time.monotonic()
+    assert launch.run([sys.executable, "-c", code], processes=2, grace=0.5) == 3
+    assert time.monotonic() - t0 < 30
+    assert launch.run([sys.executable, "-c", "pass"], processes=2) == 0
+
+
+def test_a_one_device_mesh_is_placed_as_its_device():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    resolved = placement.resolve(None, batch, jax.devices)
+    assert resolved == jax.sharding.SingleDeviceSharding(jax.devices()[0])
