@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml plugin/pyproject.toml plugin/CMakeLists.txt plugin/src/sinkax_pjrt.cc
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all]'
+	$(PY) -m pip install -q ./plugin  # sinkax's PJRT plugin (C++, CMake): docs/plugin.md
 	touch $@
 
 .PHONY: demo test slow

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,9 @@ from sinkax.executable import (
     single_step_program,
     step_program,
 )
+
+if TYPE_CHECKING:
+    from sinkax.backend import Backend
 
 NAMES = ("auto", "scan", "loop", "step")
 CLEAR_MARGIN = 1.5
@@ -269,17 +272,19 @@ class Auto:
         return self._first
 
 
-def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) -> str:
+def resolve(name: str, *, jit: bool, steps_per_call: int | None, backend: Backend) -> str:
     """The strategy a sink runs, by name: ``name`` itself, or what ``"auto"`` settles to
     without measuring.
 
     Without jit, ``"eager"``. ``"auto"`` for one-step calls measures nothing: XLA inlines a loop of
-    one trip, so ``"scan"`` *is* the standalone step, and on CPU ``"step"`` runs it without the
-    ring's copy. ``"step"`` needs one-step calls.
+    one trip, so ``"scan"`` *is* the standalone step, and where host memory is device memory
+    (CPU) ``"step"`` runs it without the ring's copy. ``"step"`` needs one-step calls.
 
-    >>> resolve("auto", jit=True, steps_per_call=1, platform="cpu")
+    >>> from sinkax.backend import Backend
+    >>> cpu = Backend("cpu", True, True, True, True, 1)
+    >>> resolve("auto", jit=True, steps_per_call=1, backend=cpu)
     'step'
-    >>> resolve("auto", jit=True, steps_per_call=1, platform="gpu")
+    >>> resolve("auto", jit=True, steps_per_call=1, backend=Backend("gpu", *[False] * 4, 1))
     'scan'
     """
     if name not in NAMES:
@@ -292,7 +297,7 @@ def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) 
     if not jit:
         return "eager"
     if name == "auto" and steps_per_call == 1:
-        return "step" if platform == "cpu" else "scan"
+        return "step" if backend.host_is_device else "scan"
     return name
 
 
