@@ -24,6 +24,8 @@ import importlib.util
 import logging
 
 import jax
+from jax._src import xla_bridge
+from jax._src.interpreters import mlir
 
 from sinkax.presets import Preset, preset
 
@@ -83,8 +85,6 @@ def use_plugin(
     copied). Call before jax initializes its backends; calling again with the same arguments
     only updates the costs. Returns the platform name (for ``jax.devices(platform)``).
     """
-    from jax._src import xla_bridge
-
     if _loaded:
         if (_loaded[0].inner_path, _loaded[0].platform) != (inner_path, platform):
             raise RuntimeError(
@@ -110,6 +110,9 @@ def use_plugin(
     logging.getLogger("jax._src.xla_bridge").addFilter(
         lambda record: f"'{platform}' is experimental" not in record.getMessage()
     )
+    # jax donates buffers only on platforms it knows; XLA's PJRT plugins implement donation.
+    if platform not in mlir._platforms_with_donation:
+        mlir._platforms_with_donation.append(platform)
     try:
         xla_bridge.register_plugin(platform, priority=-100, library_path=path)
     except Exception as error:

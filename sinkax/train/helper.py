@@ -34,6 +34,7 @@ import jax
 
 from sinkax import context, interrupt
 from sinkax import strategy as strategies
+from sinkax.backend import backend_of
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
 from sinkax.executable import Compiler, stateless, with_leading_axis
@@ -263,7 +264,7 @@ class _HostNet:
             "step",
             jit=context.jit_enabled(options.get("jit")),
             steps_per_call=1,
-            platform=self._device.platform,
+            backend=backend_of(self._device),
         )
         self._stacked = strategies.takes_stacked_chunks(name)
         compiler = Compiler(fn, save_graphs=options.get("save_graphs") or context.graphs_folder())
