@@ -18,6 +18,7 @@ test: $(VENV)/.installed  ## lint + the fast test suite (what CI runs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+	SINKAX_TEST_DEVICE=Emulated $(PY) -m pytest -q tests/test_sink.py tests/test_model.py
 
 slow: $(VENV)/.installed  ## the slow tests too
 	$(PY) -m pytest -q -m ''

@@ -23,6 +23,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -230,6 +231,25 @@ PJRT_Error* PlatformName(PJRT_Client_PlatformName_Args* args) {
   return nullptr;
 }
 
+// "CpuDevice(id=0)" becomes "EmuDevice(id=0)" for platform "emu": what jax prints as the device.
+std::mutex names_mutex;
+std::unordered_map<PJRT_DeviceDescription*, std::string> device_names;
+
+PJRT_Error* DeviceToString(PJRT_DeviceDescription_ToString_Args* args) {
+  PJRT_Error* error = inner->PJRT_DeviceDescription_ToString(args);
+  if (error || config.platform_name.empty()) return error;
+  std::string name(args->to_string, args->to_string_size);
+  auto open = name.find("Device(");
+  if (open == std::string::npos) return nullptr;
+  std::string prefix = config.platform_name;
+  prefix[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(prefix[0])));
+  std::lock_guard<std::mutex> lock(names_mutex);
+  auto& stored = device_names[args->device_description] = prefix + name.substr(open);
+  args->to_string = stored.c_str();
+  args->to_string_size = stored.size();
+  return nullptr;
+}
+
 PJRT_Error* IsOnCpu(PJRT_Buffer_IsOnCpu_Args* args) {
   if (!config.discrete) return inner->PJRT_Buffer_IsOnCpu(args);
   args->is_on_cpu = false;
@@ -432,6 +452,7 @@ SINKAX_EXPORT const PJRT_Api* GetPjrtApi() {
   api = reinterpret_cast<PJRT_Api*>(table);
   api->PJRT_Client_PlatformName = PlatformName;
   api->PJRT_Buffer_IsOnCpu = IsOnCpu;
+  api->PJRT_DeviceDescription_ToString = DeviceToString;
   api->PJRT_Client_Compile = Compile;
   api->PJRT_Client_BufferFromHostBuffer = BufferFromHostBuffer;
   api->PJRT_Buffer_Destroy = BufferDestroy;
