@@ -200,7 +200,7 @@ def test_a_sink_on_the_emulated_device_matches_the_plain_loop_on_cpu(emu, batche
 def test_device_targets_reach_the_emulated_device_and_explain_a_missing_ascend(monkeypatch):
     assert resolve_device("Emulated").platform == "emu"
     monkeypatch.delenv("SINKAX_ASCEND_PJRT", raising=False)
-    with pytest.raises(ValueError, match="needs an Ascend PJRT plugin.*SINKAX_ASCEND_PJRT"):
+    with pytest.raises(ValueError, match=r"needs an Ascend PJRT plugin.*SINKAX_ASCEND_PJRT"):
         resolve_device("Ascend")
 
 
