@@ -291,7 +291,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["mlp", "lenet"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args(argv)
     results, checks, presets = {}, [], {}
     for name in args.workloads:
