@@ -109,13 +109,11 @@ struct DelayedEvent {
   bool inner_done = false;
   Clock::time_point inner_done_at;
 
-  Clock::time_point ready_at(Clock::time_point inner_at) const {
-    return std::max(not_before, inner_at + delay);
-  }
+  // When the event is ready, counting from the first time the inner one was seen done.
   Clock::time_point mark_inner_done() {
     std::lock_guard<std::mutex> lock(mutex);
     if (!inner_done) inner_done = true, inner_done_at = Clock::now();
-    return ready_at(inner_done_at);
+    return std::max(not_before, inner_done_at + delay);
   }
 };
 std::mutex events_mutex;
@@ -155,15 +153,20 @@ class Timer {
     bool operator>(const Item& o) const { return when != o.when ? when > o.when : seq > o.seq; }
   };
   void run() {
+    const auto slack = std::chrono::microseconds(150);
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       wake_.wait(lock, [this] { return !queue_.empty(); });
       auto when = queue_.top().when;
+      if (when - Clock::now() > slack) {
+        wake_.wait_until(lock, when - slack);  // or until an earlier item arrives
+        continue;
+      }
       if (Clock::now() < when) {
         lock.unlock();
-        wait_until(std::min(when, Clock::now() + std::chrono::milliseconds(1)));
+        wait_until(when);
         lock.lock();
-        continue;  // an earlier item may have arrived meanwhile
+        continue;
       }
       auto item = queue_.top();
       queue_.pop();
@@ -367,15 +370,17 @@ PJRT_Error* EventAwait(PJRT_Event_Await_Args* args) {
   return error;
 }
 
+// The event may be destroyed before its callback runs: the callback keeps its own copy of the times.
 struct PendingCallback {
-  DelayedEvent* event;
+  Clock::time_point not_before;
+  Nanos delay;
   PJRT_Event_OnReadyCallback callback;
   void* user_arg;
 };
 
 void OnInnerReady(PJRT_Error* error, void* user_arg) {
   auto* pending = static_cast<PendingCallback*>(user_arg);
-  auto when = pending->event->mark_inner_done();
+  auto when = std::max(pending->not_before, Clock::now() + pending->delay);
   auto fire = [pending, error] {
     pending->callback(error, pending->user_arg);
     delete pending;
@@ -390,7 +395,8 @@ PJRT_Error* EventOnReady(PJRT_Event_OnReady_Args* args) {
   PJRT_Event_OnReady_Args inner_args = *args;
   inner_args.event = event->inner;
   inner_args.callback = OnInnerReady;
-  inner_args.user_arg = new PendingCallback{event, args->callback, args->user_arg};
+  inner_args.user_arg =
+      new PendingCallback{event->not_before, event->delay, args->callback, args->user_arg};
   return inner->PJRT_Event_OnReady(&inner_args);
 }
 
