@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from _common import fresh, machine, save, table, workload
+from _common import machine, save, table, workload
 
 import sinkax
 from sinkax import pjrt
@@ -40,74 +40,11 @@ from sinkax.presets import PRESETS
 pjrt.use_emulated("counting")  # before jax's backends start
 
 import jax  # noqa: E402 (after the plugin registration, by design)
+from sink_sizes import SIZES, device_scan, device_step, plain, sinkax_run  # noqa: E402
 
-SIZES = (1, 10, 100, 1000, -1)
+sinkax.set_context(device_target="Emulated")  # every run below: sinks, jit, device_put
 EMU = jax.devices(pjrt.EMULATED_PLATFORM)[0]
-
-
-def plain(w, steps):
-    step = jax.jit(w.step, donate_argnums=0)
-    state = jax.block_until_ready(step(jax.device_put(fresh(w.init()), EMU), w.batches[0])[0])
-
-    def run():
-        nonlocal state
-        for i in range(steps):
-            state, loss = step(state, w.batches[i % len(w.batches)])
-        jax.block_until_ready(loss)
-        return steps
-
-    return run
-
-
-def device_step(w, steps):
-    step = jax.jit(w.step, donate_argnums=0)
-    batches = jax.block_until_ready(jax.device_put(w.batches, EMU))
-    state = jax.block_until_ready(step(jax.device_put(fresh(w.init()), EMU), batches[0])[0])
-
-    def run():
-        nonlocal state
-        for i in range(steps):
-            state, loss = step(state, batches[i % len(batches)])
-        jax.block_until_ready(loss)
-        return steps
-
-    return run
-
-
-def device_scan(w, steps):
-    stacked = jax.tree.map(lambda *x: jax.numpy.stack(x), *w.batches)
-    stacked = jax.block_until_ready(jax.device_put(stacked, EMU))
-    scan = jax.jit(lambda s, c: jax.lax.scan(w.step, s, c), donate_argnums=0)
-    state = jax.block_until_ready(scan(jax.device_put(fresh(w.init()), EMU), stacked)[0])
-    calls = max(1, steps // len(w.batches))
-
-    def run():
-        nonlocal state
-        for _ in range(calls):
-            state, losses = scan(state, stacked)
-        jax.block_until_ready(losses)
-        return calls * len(w.batches)
-
-    return run
-
-
-def sinkax_run(w, steps, sink_size):
-    sink = sinkax.data_sink(w.step, w.batches, sink_size, device=EMU)
-    per_call = len(w.batches) if sink_size == -1 else sink_size
-    calls = max(1, steps // per_call)
-    state = fresh(w.init())
-    while sink.stats.calls < 2 or sink.stats.strategy.startswith("auto"):  # compile, measure
-        state, _ = sink(state)
-    jax.block_until_ready(state)
-
-    def run():
-        nonlocal state
-        for _ in range(calls):
-            state, metrics = sink(state)
-        jax.block_until_ready(metrics)
-        return calls * per_call
-
-    return sink, run
+assert sinkax.context.default_device() == EMU
 
 
 def timed(run):
@@ -138,7 +75,7 @@ def bench(w, steps, repeats, preset):
     runs, sinks = {"plain": plain(w, steps)}, {}
     for size in SIZES:
         label = f"sinkax {'epoch (' + str(len(w.batches)) + ')' if size == -1 else size}"
-        sinks[label], runs[label] = sinkax_run(w, steps, size)
+        sinks[label], runs[label] = sinkax_run(w, steps, size, "auto")
     runs["device step"], runs["device scan"] = device_step(w, steps), device_scan(w, steps)
     measured = {label: [] for label in runs}
     for _ in range(repeats):
@@ -291,7 +228,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["mlp", "lenet"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args(argv)
     results, checks, presets = {}, [], {}
     for name in args.workloads:

@@ -36,38 +36,29 @@ class Preset:
         return latency + (nbytes / rate if rate else 0.0)
 
 
+def symmetric(
+    name: str, launch_s: float, latency_s: float, bytes_per_s: float, source: str
+) -> Preset:
+    """A :class:`Preset` whose link costs the same both ways."""
+    return Preset(name, launch_s, latency_s, bytes_per_s, latency_s, bytes_per_s, source)
+
+
 _PCIE4 = "PCIe 4.0 x16: 31.5 GB/s raw per direction, ~25 GB/s measured with pinned host memory"
 
 PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
         Preset("counting", source="no costs: the plugin only counts (overhead measurement)"),
-        Preset(
-            "pcie4-x16",
-            launch_s=10e-6,
-            h2d_latency_s=10e-6,
-            h2d_bytes_per_s=25e9,
-            d2h_latency_s=10e-6,
-            d2h_bytes_per_s=25e9,
-            source=f"a discrete GPU on {_PCIE4}; ~10 us per kernel launch and per copy",
+        symmetric("pcie4-x16", 10e-6, 10e-6, 25e9, f"a discrete GPU on {_PCIE4}; 10 us a launch"),
+        symmetric(
+            "pcie5-x16", 5e-6, 8e-6, 50e9, "a discrete GPU on PCIe 5.0 x16: 63 GB/s raw, ~50 used"
         ),
-        Preset(
-            "pcie5-x16",
-            launch_s=5e-6,
-            h2d_latency_s=8e-6,
-            h2d_bytes_per_s=50e9,
-            d2h_latency_s=8e-6,
-            d2h_bytes_per_s=50e9,
-            source="a discrete GPU on PCIe 5.0 x16: 63 GB/s raw, ~50 GB/s measured",
-        ),
-        Preset(
+        symmetric(
             "ascend910-pcie4",
-            launch_s=20e-6,
-            h2d_latency_s=15e-6,
-            h2d_bytes_per_s=25e9,
-            d2h_latency_s=15e-6,
-            d2h_bytes_per_s=25e9,
-            source=f"an Ascend 910-class card (Atlas 300T) on {_PCIE4}; launch/latency assumed",
+            20e-6,
+            15e-6,
+            25e9,
+            f"an Ascend 910-class card (Atlas 300T) on {_PCIE4}; launch and latency assumed",
         ),
     )
 }

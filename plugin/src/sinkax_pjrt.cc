@@ -102,9 +102,11 @@ Clock::time_point arrival(PJRT_Buffer* buffer) {
 // A wrapped event is ready when the inner event is and, after that, `delay` has passed and
 // `not_before` is reached.
 struct DelayedEvent {
-  PJRT_Event* inner;
-  Clock::time_point not_before;
-  Nanos delay;
+  DelayedEvent(PJRT_Event* inner, Clock::time_point not_before, Nanos delay)
+      : inner(inner), not_before(not_before), delay(delay) {}
+  PJRT_Event* const inner;
+  const Clock::time_point not_before;
+  const Nanos delay;
   std::mutex mutex;
   bool inner_done = false;
   Clock::time_point inner_done_at;
@@ -125,7 +127,7 @@ DelayedEvent* as_delayed(PJRT_Event* event) {
 }
 
 PJRT_Event* delay_event(PJRT_Event* inner_event, Clock::time_point not_before, Nanos delay) {
-  auto* event = new DelayedEvent{inner_event, not_before, delay};
+  auto* event = new DelayedEvent(inner_event, not_before, delay);
   auto* handle = reinterpret_cast<PJRT_Event*>(event);
   std::lock_guard<std::mutex> lock(events_mutex);
   delayed_events.insert(handle);
