@@ -17,7 +17,7 @@ Then ``counting overhead``: in a subprocess, the same XLA:CPU plugin registered 
 directly and once through sinkax's plugin with costs off and host buffers left as they are, so
 the only difference is the counting.
 
-    python benchmarks/emulated_device.py        # ~10 minutes on 2 shared cores
+    python benchmarks/emulated_device.py        # ~19 minutes on 2 heavily shared cores
 """
 
 from __future__ import annotations
