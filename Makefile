@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml plugin/pyproject.toml plugin/CMakeLists.txt plugin/src/sinkax_pjrt.cc
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all]'
+	$(PY) -m pip install -q ./plugin  # sinkax's PJRT plugin (C++, CMake): docs/plugin.md
 	touch $@
 
 .PHONY: demo test slow
@@ -17,6 +18,7 @@ test: $(VENV)/.installed  ## lint + the fast test suite + the docs site (what CI
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+	SINKAX_TEST_DEVICE=Emulated $(PY) -m pytest -q tests/test_sink.py tests/test_model.py
 	$(PY) -m mkdocs build --strict --site-dir $(VENV)/site
 
 slow: $(VENV)/.installed  ## the slow tests too

@@ -1,22 +1,84 @@
-"""Backend choice: MindSpore-style device targets mapped onto JAX platforms and devices.
+"""Backend choice: MindSpore-style device targets mapped onto JAX platforms and devices, and
+what each platform can do (:class:`Backend`).
 
-``"CPU"`` and ``"GPU"`` are JAX's own backends. ``"Ascend"`` is reached through a PJRT plugin
-that registers an ``npu``/``ascend`` platform with JAX; sinkax has no such plugin bundled and it
-has not been verified on Ascend hardware -- without one, asking for it raises the error below.
+``"CPU"`` and ``"GPU"`` are JAX's own backends. ``"Emulated"`` is sinkax's emulated discrete
+accelerator (:func:`sinkax.pjrt.use_emulated`, loaded on demand). ``"Ascend"`` is reached through
+a PJRT plugin that registers an ``npu``/``ascend`` platform with JAX, or one named by path in
+``SINKAX_ASCEND_PJRT`` (loaded through sinkax's plugin layer); sinkax bundles none and it has not
+been verified on Ascend hardware, nor GPU -- without one, asking for it raises an error saying
+what is missing.
 
 >>> resolve_device("CPU").platform
 'cpu'
+>>> backend_of(resolve_device("CPU")).host_is_device
+True
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+
 import jax
+
+from sinkax import pjrt
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "CPU": ("cpu",),
     "GPU": ("cuda", "rocm", "gpu"),
     "Ascend": ("npu", "ascend"),
+    "Emulated": (pjrt.EMULATED_PLATFORM,),
 }
+ASCEND_PLUGIN_VARIABLE = "SINKAX_ASCEND_PJRT"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What a platform can do, as the sink needs to know it.
+
+    ``host_is_device``: device memory is host memory (XLA:CPU), so a batch needs no transfer
+    and results are read in place; ``aliases_host_buffers``: an aligned host array becomes a
+    device buffer without a copy; ``python_callbacks``: ``io_callback``/``pure_callback`` compile
+    for it; ``ffi``: custom calls registered with ``jax.ffi`` reach its compiler;
+    ``num_devices``: its devices in this process.
+    """
+
+    platform: str
+    host_is_device: bool
+    aliases_host_buffers: bool
+    python_callbacks: bool
+    ffi: bool
+    num_devices: int
+
+
+@functools.cache
+def _backend(platform: str) -> Backend:
+    cpu, jax_own = platform == "cpu", platform in ("cpu", "cuda", "rocm", "gpu")
+    return Backend(
+        platform=platform,
+        host_is_device=cpu,
+        aliases_host_buffers=cpu,
+        python_callbacks=jax_own,  # jax refuses them on a plugin's own platform name
+        ffi=jax_own,  # a plugin's handlers go through its FFI extension, not jax.ffi
+        num_devices=len(jax.devices(platform)),
+    )
+
+
+def backend_of(where: jax.Device | jax.sharding.Sharding) -> Backend:
+    """The :class:`Backend` of the platform of a device, or of a sharding's devices (resolved
+    once per platform)."""
+    device = where if isinstance(where, jax.Device) else next(iter(where.device_set))
+    return _backend(device.platform)
+
+
+def _load_on_demand(target: str | None) -> None:
+    """Register the plugin ``target`` needs through sinkax's plugin layer, if it is not yet."""
+    if target == "Emulated" and pjrt.loaded_platform() is None:
+        pjrt.use_emulated()
+    ascend_plugin = os.environ.get(ASCEND_PLUGIN_VARIABLE)
+    if target == "Ascend" and ascend_plugin and pjrt.loaded_platform() is None:
+        pjrt.use_plugin(ascend_plugin, "ascend")
 
 
 def available() -> dict[str, list[jax.Device]]:
@@ -37,12 +99,22 @@ def resolve_device(target: str | None = None, device_id: int = 0) -> jax.Device:
 
     Raises ``ValueError`` naming the targets and devices that are available.
     """
+    _load_on_demand(target)
     reachable = available()
     listing = ", ".join(f"{t}: {len(d)} device(s)" for t, d in reachable.items())
     if target is None:
         devices = jax.local_devices()
     elif target not in TARGETS:
         raise ValueError(f"device_target must be one of {list(TARGETS)}, got {target!r}.")
+    elif target == "Ascend" and target not in reachable:
+        raise ValueError(
+            "device_target='Ascend' needs an Ascend PJRT plugin, and none is here: no JAX "
+            f"backend has platform 'npu' or 'ascend', and {ASCEND_PLUGIN_VARIABLE} does not name "
+            "a plugin library (a .so exporting GetPjrtApi, e.g. a vendor's Ascend PJRT plugin, "
+            "which needs Huawei's CANN runtime). Set "
+            f"{ASCEND_PLUGIN_VARIABLE}=/path/to/plugin.so, or install a package that registers "
+            f"one with jax (available: {listing})."
+        )
     elif target not in reachable:
         raise ValueError(
             f"device_target={target!r} is not available in this JAX installation "

@@ -32,8 +32,9 @@ from typing import Any
 import grain
 import jax
 
-from sinkax import context, distributed, interrupt, placement
+from sinkax import context, distributed, interrupt, pjrt, placement
 from sinkax import strategy as strategies
+from sinkax.backend import backend_of
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, Source, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
@@ -61,6 +62,8 @@ class SinkStats:
     ``data_wait_s`` is time the caller waited for data (input-bound); ``slot_wait_s`` is time the
     producer waited for a free device slot (compute-bound). With the ``"step"`` strategy the
     chunks and bytes counted were handed over unstacked; XLA takes each batch at dispatch.
+    ``interactions``: on a device of sinkax's PJRT plugin (:mod:`sinkax.pjrt`), the process's
+    host–device interactions since the sink was created (other work in between counts too).
     """
 
     steps: int
@@ -74,6 +77,7 @@ class SinkStats:
     slot_wait_s: float
     strategy: str
     strategy_timings: dict[str, float]
+    interactions: pjrt.Interactions | None = None
 
     @property
     def bound(self) -> str:
@@ -243,7 +247,7 @@ class Sink:
                 strategy,
                 jit=self.jit,
                 steps_per_call=self.steps_per_call,
-                platform=placement.platform(self.sharding),
+                backend=backend_of(self.sharding),
                 devices=placement.devices(self.sharding),
                 processes=jax.process_count(),
             )
@@ -256,6 +260,7 @@ class Sink:
         except Exception:  # a bad strategy, or processes that disagree or never answer
             self._source.close()
             raise
+        self._interactions_at_start = pjrt.counted(placement.platform(self.sharding))
         self._compiler = Compiler(fn, save_graphs=save_graphs or context.graphs_folder())
         self._strategy: Any = None
         self._step: Any = None  # the step function the strategy runs
@@ -565,6 +570,7 @@ class Sink:
             slot_wait_s=ring.slot_wait_s,
             strategy=self._strategy.name if self._strategy else self._strategy_name,
             strategy_timings={k: v for k, v in timings.items() if math.isfinite(v)},
+            interactions=pjrt.since(self._interactions_at_start),
         )
 
     # -- lifetime ------------------------------------------------------------------------

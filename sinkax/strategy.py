@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,9 @@ from sinkax.executable import (
     step_program,
 )
 from sinkax.pytree import stacked_zeros
+
+if TYPE_CHECKING:
+    from sinkax.backend import Backend
 
 NAMES = ("auto", "scan", "loop", "step")
 CLEAR_MARGIN = 1.5
@@ -285,7 +288,7 @@ def resolve(
     *,
     jit: bool,
     steps_per_call: int | None,
-    platform: str,
+    backend: Backend,
     devices: int = 1,
     processes: int = 1,
 ) -> str:
@@ -293,16 +296,19 @@ def resolve(
     without measuring.
 
     Without jit, ``"eager"``. ``"auto"`` for one-step calls measures nothing: XLA inlines a loop of
-    one trip, so ``"scan"`` *is* the standalone step, and on CPU ``"step"`` runs it without the
-    ring's copy. ``"step"`` needs one-step calls on one device (it hands over host batches,
-    unplaced). Over several devices ``"auto"`` is ``"scan"``: across processes each would time
-    its own trials and might choose differently, while every process must run the same
-    programs; and ``"loop"`` over several XLA:CPU devices waits for each step (with many
-    steps in flight their collectives deadlocked here), which ``"scan"`` never needs.
+    one trip, so ``"scan"`` *is* the standalone step, and where host memory is device memory
+    (CPU) ``"step"`` runs it without the ring's copy. ``"step"`` needs one-step calls on one
+    device (it hands over host batches, unplaced). Over several devices ``"auto"`` is
+    ``"scan"``: across processes each would time its own trials and might choose differently,
+    while every process must run the same programs; and ``"loop"`` over several XLA:CPU devices
+    waits for each step (with many steps in flight their collectives deadlocked here), which
+    ``"scan"`` never needs.
 
-    >>> resolve("auto", jit=True, steps_per_call=1, platform="cpu")
+    >>> from sinkax.backend import Backend
+    >>> cpu = Backend("cpu", True, True, True, True, 1)
+    >>> resolve("auto", jit=True, steps_per_call=1, backend=cpu)
     'step'
-    >>> resolve("auto", jit=True, steps_per_call=1, platform="gpu")
+    >>> resolve("auto", jit=True, steps_per_call=1, backend=Backend("gpu", *[False] * 4, 1))
     'scan'
     """
     if name not in NAMES:
@@ -320,7 +326,7 @@ def resolve(
     if not jit:
         return "eager"
     if name == "auto" and steps_per_call == 1:
-        return "step" if platform == "cpu" and devices == 1 else "scan"
+        return "step" if backend.host_is_device and devices == 1 else "scan"
     if name == "auto" and (processes > 1 or devices > 1):
         return "scan"
     return name

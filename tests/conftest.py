@@ -3,6 +3,7 @@
 import contextlib
 import dis
 import itertools
+import os
 import signal
 import sys
 
@@ -12,6 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+import sinkax
+import sinkax.pjrt
+
+# The emulated device (sinkax.pjrt) is registered before jax's backends start, for test_pjrt.py.
+# SINKAX_TEST_DEVICE=Emulated makes it every test's default device: `make test` runs the sink and
+# Model tests that way too, where device memory is not host memory.
+sinkax.pjrt.use_emulated(os.environ.get("SINKAX_TEST_PRESET", "pcie4-x16"))
+if os.environ.get("SINKAX_TEST_DEVICE"):
+    sinkax.set_context(device_target=os.environ["SINKAX_TEST_DEVICE"])
+
+
+def default_backend() -> sinkax.backend.Backend:
+    """What the tests' default device can do (CPU, or the emulated device)."""
+    return sinkax.backend.backend_of(sinkax.context.default_device())
+
+
+def one_step_strategy() -> str:
+    """What ``"auto"`` settles to for one-step sinks on the default device, without measuring."""
+    return "step" if default_backend().host_is_device else "scan"
+
 
 OPTIMIZER = optax.sgd(0.05, momentum=0.9)
 

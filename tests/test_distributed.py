@@ -9,6 +9,7 @@ import pytest
 
 import sinkax
 from sinkax import distributed, launch, placement, strategy
+from sinkax.backend import backend_of
 
 
 def test_device_and_sharding_together_is_an_error():
@@ -36,11 +37,12 @@ def test_one_device_sharding_is_the_device():
 
 
 def test_step_strategy_is_refused_on_many_devices_and_auto_avoids_it():
+    cpu = backend_of(jax.devices("cpu")[0])
     with pytest.raises(ValueError, match="spans 4 devices"):
-        strategy.resolve("step", jit=True, steps_per_call=1, platform="cpu", devices=4)
-    assert strategy.resolve("auto", jit=True, steps_per_call=1, platform="cpu", devices=4) == "scan"
-    assert strategy.resolve("auto", jit=True, steps_per_call=1, platform="cpu") == "step"
-    assert strategy.resolve("auto", jit=True, steps_per_call=8, platform="cpu", processes=2) == (
+        strategy.resolve("step", jit=True, steps_per_call=1, backend=cpu, devices=4)
+    assert strategy.resolve("auto", jit=True, steps_per_call=1, backend=cpu, devices=4) == "scan"
+    assert strategy.resolve("auto", jit=True, steps_per_call=1, backend=cpu) == "step"
+    assert strategy.resolve("auto", jit=True, steps_per_call=8, backend=cpu, processes=2) == (
         "scan"
     )
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from sinkax import context, interrupt, placement
 from sinkax import strategy as strategies
+from sinkax.backend import backend_of
 from sinkax.channel.source import as_source, snapshot
 from sinkax.errors import SinkClosedError
 from sinkax.executable import Compiler, stateless, with_leading_axis
@@ -264,7 +265,7 @@ class _HostNet:
             "step" if devices == 1 else "scan",
             jit=context.jit_enabled(options.get("jit")),
             steps_per_call=1,
-            platform=placement.platform(self._sharding),
+            backend=backend_of(self._sharding),
             devices=devices,
         )
         self._stacked = strategies.takes_stacked_chunks(name)

@@ -1,0 +1,284 @@
+"""Sink sizes on sinkax's *emulated* discrete accelerator, with host–device interactions counted.
+
+The emulated device (``sinkax.pjrt.use_emulated``) is XLA:CPU behind sinkax's PJRT plugin: its own
+device buffers, a launch cost per execute and a latency + bandwidth per transfer. It computes at
+this CPU's speed, so every figure here is an *emulated* figure, not a GPU or Ascend one. For each
+workload (LeNet5 and the MLP, batch 32) and two presets:
+
+* ``pcie4-x16``  -- a discrete GPU on PCIe 4.0 x16 (sinkax.presets, sources in docs/plugin.md);
+* ``balanced``   -- synthetic: host->device bandwidth set so that one batch's transfer costs what
+  one step computes (measured below, without costs), the case the data sink exists for;
+
+modes: ``plain`` (a jitted step per host batch: pays transfer + compute), ``sinkax N`` for N in
+1, 10, 100, 1000 and one epoch, ``device step`` / ``device scan`` (batches already on the device:
+the bounds). Each row shows the interactions per step counted by the plugin during the timed runs.
+
+Then ``counting overhead``: in a subprocess, the same XLA:CPU plugin registered twice, once
+directly and once through sinkax's plugin with costs off and host buffers left as they are, so
+the only difference is the counting.
+
+    python benchmarks/emulated_device.py        # ~19 minutes on 2 heavily shared cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from _common import machine, save, table, workload
+
+import sinkax
+from sinkax import pjrt
+from sinkax.presets import PRESETS
+
+pjrt.use_emulated("counting")  # before jax's backends start
+
+import jax  # noqa: E402 (after the plugin registration, by design)
+from sink_sizes import SIZES, device_scan, device_step, plain, sinkax_run  # noqa: E402
+
+sinkax.set_context(device_target="Emulated")  # every run below: sinks, jit, device_put
+EMU = jax.devices(pjrt.EMULATED_PLATFORM)[0]
+assert sinkax.context.default_device() == EMU
+
+
+def timed(run):
+    """(steps/s, interactions per step) of one ``run``."""
+    before, t0 = pjrt.interactions(), time.perf_counter()
+    steps = run()
+    seconds, counted = time.perf_counter() - t0, pjrt.interactions() - before
+    per_step = {f.name: getattr(counted, f.name) / steps for f in dataclasses.fields(counted)}
+    return steps / seconds, per_step
+
+
+def balanced(w, compute_s):
+    """A synthetic preset: one batch's host->device transfer costs one step's compute."""
+    nbytes = sum(leaf.nbytes for leaf in w.batches[0].values())
+    base = PRESETS["pcie4-x16"]
+    return dataclasses.replace(
+        base,
+        name="balanced",
+        h2d_bytes_per_s=nbytes / max(compute_s - base.h2d_latency_s, 1e-7),
+        source="synthetic: a batch's transfer costs one step's compute on this CPU",
+    )
+
+
+def bench(w, steps, repeats, preset):
+    """Every mode built and warmed up under ``preset``, then timed round-robin ``repeats`` times
+    (a slow spell of this shared machine hits all modes alike); medians reported."""
+    pjrt.set_costs(preset)
+    runs, sinks = {"plain": plain(w, steps)}, {}
+    for size in SIZES:
+        label = f"sinkax {'epoch (' + str(len(w.batches)) + ')' if size == -1 else size}"
+        sinks[label], runs[label] = sinkax_run(w, steps, size, "auto")
+    runs["device step"], runs["device scan"] = device_step(w, steps), device_scan(w, steps)
+    measured = {label: [] for label in runs}
+    for _ in range(repeats):
+        for label, run in runs.items():
+            measured[label].append(timed(run))
+    rows = []
+    for label, results in measured.items():
+        counts = results[-1][1]
+        rows.append(
+            {
+                "mode": label,
+                "steps/s": statistics.median(r for r, _ in results),
+                "launch/step": counts["launches"],
+                "h2d/step": counts["h2d"],
+                "h2d B/step": counts["h2d_bytes"],
+                "d2h/step": counts["d2h"],
+            }
+        )
+        if label in sinks:
+            rows[-1]["strategy"] = sinks[label].stats.strategy
+            sinks[label].close()
+    base = rows[0]["steps/s"]
+    for row in rows:
+        row["x plain"] = row["steps/s"] / base
+    return rows
+
+
+def targets(w, rows, preset):
+    """The issue's targets on this preset: (description, measured ratio, threshold, higher ok)."""
+
+    def rate(mode):
+        return next(r["steps/s"] for r in rows if r["mode"] == mode)
+
+    nbytes = sum(leaf.nbytes for leaf in w.batches[0].values())
+    transfer_s = preset.transfer_s("h2d", nbytes)
+    compute_s = 1 / rate("device scan")
+    bound_s = max(transfer_s, compute_s)
+    checks = [
+        (
+            f"{w.name}/{preset.name}: sinkax 1000 vs device scan",
+            rate("sinkax 1000") / rate("device scan"),
+            0.95,
+            True,
+        )
+    ]
+    if preset.name == "balanced":
+        checks.append(
+            (
+                f"{w.name}/{preset.name}: sinkax 1000 time / max(transfer, compute) per step",
+                (1 / rate("sinkax 1000")) / bound_s,
+                1.1,
+                False,
+            )
+        )
+        checks.append(
+            (
+                f"{w.name}/{preset.name}: plain time / (transfer + compute) per step",
+                (1 / rate("plain")) / (transfer_s + compute_s),
+                1.0,
+                None,  # reported, not targeted
+            )
+        )
+    return checks
+
+
+COUNTING_CHILD = """
+import json, sys, time, statistics
+sys.path.insert(0, {bench_dir!r})
+import sinkax_pjrt
+from jax._src import xla_bridge
+from sinkax import pjrt
+pjrt.use_plugin(sinkax_pjrt.cpu_plugin_path(), "counted", discrete=False)
+xla_bridge.register_plugin("direct", priority=-200, library_path=sinkax_pjrt.cpu_plugin_path())
+import jax, sinkax
+from _common import fresh, workload
+w = workload("mlp", 100)
+def runner(device, mode):
+    state = jax.device_put(fresh(w.init()), device)
+    if mode == "plain":
+        step = jax.jit(w.step, donate_argnums=0)
+        def run(state):
+            for i in range(1000):
+                state, loss = step(state, w.batches[i % 100])
+            jax.block_until_ready(loss)
+            return state
+        return run, state
+    sink = sinkax.data_sink(w.step, w.batches, 100, device=device, strategy="scan")
+    def run(state):
+        for _ in range(10):
+            state, loss = sink(state)
+        jax.block_until_ready(loss)
+        return state
+    return run, state
+out = {{}}
+for mode in ("plain", "sinkax 100"):
+    runs = {{name: runner(jax.devices(name)[0], mode) for name in ("direct", "counted")}}
+    states = {{name: r[1] for name, r in runs.items()}}
+    for name, (run, _) in runs.items():
+        states[name] = run(states[name])  # compile
+    times = {{name: [] for name in runs}}
+    for _ in range({repeats}):
+        for name, (run, _) in runs.items():
+            t0 = time.perf_counter(); states[name] = run(states[name])
+            times[name].append(time.perf_counter() - t0)
+    out[mode] = {{name: statistics.median(t) for name, t in times.items()}}
+print(json.dumps(out))
+"""
+
+
+def counting_overhead(repeats):
+    """Median seconds per 1000 MLP steps, XLA:CPU plugin direct vs through sinkax's counter."""
+    code = COUNTING_CHILD.format(bench_dir=os.path.dirname(__file__), repeats=repeats)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _color(mode):
+    if mode.startswith("sinkax"):
+        return "tab:blue"
+    return "tab:green" if mode.startswith("device") else "tab:gray"
+
+
+def plot(results, plt):
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.6 * len(results)), squeeze=False)
+    for row_axes, (key, rows) in zip(axes, results.items(), strict=True):
+        modes = [r["mode"] for r in rows]
+        colors = [_color(m) for m in modes]
+        row_axes[0].barh(modes, [r["x plain"] for r in rows], color=colors)
+        row_axes[0].axvline(1.0, color="black", lw=0.8)
+        row_axes[0].invert_yaxis()
+        row_axes[0].set_xlabel("steps/s relative to the plain loop (emulated)")
+        row_axes[0].set_title(key)
+        row_axes[1].barh(modes, [max(r["h2d/step"], 1e-4) for r in rows], color=colors)
+        row_axes[1].barh(
+            modes, [max(r["launch/step"], 1e-4) for r in rows], color="none", edgecolor="black"
+        )
+        row_axes[1].set_xscale("log")
+        row_axes[1].invert_yaxis()
+        row_axes[1].set_xlabel("per step: host->device transfers (bars), launches (outlines)")
+    info = machine()
+    fig.suptitle(
+        f"sinkax on the EMULATED device (XLA:CPU behind sinkax's PJRT plugin) -- "
+        f"{info['cpu']}, jax {info['jax']}",
+        fontsize=10,
+    )
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "lenet"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args(argv)
+    results, checks, presets = {}, [], {}
+    for name in args.workloads:
+        w = workload(name, 100)
+        pjrt.set_costs("counting")
+        compute_s = 1 / statistics.median(timed(device_scan(w, args.steps))[0] for _ in range(3))
+        for preset in (PRESETS["pcie4-x16"], balanced(w, compute_s)):
+            key = f"{name} / {preset.name}"
+            presets[key] = dataclasses.asdict(preset)
+            results[key] = bench(w, args.steps, args.repeats, preset)
+            checks += targets(w, results[key], preset)
+    pjrt.set_costs("counting")
+    columns = [
+        "mode",
+        "steps/s",
+        "x plain",
+        "launch/step",
+        "h2d/step",
+        "h2d B/step",
+        "d2h/step",
+        "strategy",
+    ]
+    for key, rows in results.items():
+        print(f"\n{key}  (EMULATED device, {machine()['cpu']}, jax {jax.__version__})")
+        print(table(rows, columns))
+    overhead = counting_overhead(args.repeats * 2)
+    for mode, times in overhead.items():
+        ratio = times["counted"] / times["direct"]
+        checks.append((f"counting overhead, {mode} (counted / direct time)", ratio, 1.02, False))
+    print("\ntargets")
+    failed = 0
+    for description, ratio, threshold, higher in checks:
+        if higher is None:
+            print(f"  ----  {description}: {ratio:.2f}x (reported)")
+            continue
+        ok = ratio >= threshold if higher else ratio <= threshold
+        failed += not ok
+        sign = ">=" if higher else "<="
+        verdict = "PASS" if ok else "MISS"
+        print(f"  {verdict}  {description}: {ratio:.3f}x (target {sign} {threshold}x)")
+    payload = {
+        "emulated": True,
+        "presets": presets,
+        "results": results,
+        "counting_overhead_s": overhead,
+        "targets": [list(c) for c in checks],
+    }
+    save("emulated_device", payload, lambda plt: plot(results, plt))
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

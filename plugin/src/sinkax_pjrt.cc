@@ -1,0 +1,478 @@
+// sinkax's PJRT plugin: a forwarder over another PJRT C API plugin.
+//
+// GetPjrtApi() dlopens the inner plugin configured by sinkax_pjrt_configure(), copies its PJRT_Api
+// table (by the inner struct_size, so slots newer than this header pass through) and replaces a
+// few entries to
+//   * count host<->device interactions (launches, transfers and their bytes, compiles);
+//   * present a platform of its own name, optionally as a discrete device: Buffer_IsOnCpu=false,
+//     host buffers always copied, never aliased;
+//   * optionally charge an emulated cost model: a launch cost per execute, and latency + bytes /
+//     bandwidth per transfer on one copy engine per direction, completed asynchronously.
+//
+// Cost model (all times on the host's steady clock):
+//   host->device: the copy is made during the call (the data really moves), the buffer's ready
+//     event fires at  done = max(now, copy_engine_free) + latency + bytes / bandwidth,  and the copy
+//     engine is busy until then. The host does not wait.
+//   execute: the host waits until every input buffer is ready (as a device stream would), then
+//     spends the launch cost, then launches the inner executable (which computes at this CPU's
+//     speed, asynchronously).
+//   device->host: the read-back event fires latency + bytes / bandwidth after the inner copy is
+//     done.
+// Events whose completion is delayed are wrapped; a timer thread runs their callbacks on time.
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cctype>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <queue>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "pjrt_c_api.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Nanos = std::chrono::nanoseconds;
+
+// ---- configuration ---------------------------------------------------------------------------
+struct Config {
+  std::string inner_path;
+  std::string platform_name;
+  bool discrete = false;  // present buffers as device memory: never on the CPU, always copied
+};
+Config config;
+
+struct Costs {
+  double launch_s = 0, h2d_latency_s = 0, h2d_bytes_per_s = 0, d2h_latency_s = 0,
+         d2h_bytes_per_s = 0;
+};
+std::mutex costs_mutex;
+Costs costs;
+std::atomic<bool> costs_on{false};
+
+Costs current_costs() {
+  std::lock_guard<std::mutex> lock(costs_mutex);
+  return costs;
+}
+
+Nanos transfer_time(double latency_s, double bytes_per_s, uint64_t bytes) {
+  double seconds = latency_s + (bytes_per_s > 0 ? bytes / bytes_per_s : 0.0);
+  return std::chrono::duration_cast<Nanos>(std::chrono::duration<double>(seconds));
+}
+
+// ---- counters ----------------------------------------------------------------------------------
+enum Counter { kLaunches, kH2D, kH2DBytes, kD2H, kD2HBytes, kCompiles, kNumCounters };
+std::atomic<uint64_t> counters[kNumCounters];
+
+// ---- the inner plugin ----------------------------------------------------------------------------
+const PJRT_Api* inner = nullptr;
+PJRT_Api* api = nullptr;  // what jax sees: the inner table with a few entries replaced
+
+// Waits until `when`: sleeps most of the way, spins the last ~100 us (sleep overshoots by ~60 us).
+void wait_until(Clock::time_point when) {
+  const auto slack = std::chrono::microseconds(150);
+  auto now = Clock::now();
+  if (when - now > slack) std::this_thread::sleep_until(when - slack);
+  while (Clock::now() < when) std::this_thread::yield();
+}
+
+// ---- modelled readiness of device buffers --------------------------------------------------
+std::mutex timeline_mutex;
+std::unordered_map<PJRT_Buffer*, Clock::time_point> arrives;  // buffers still "in flight"
+Clock::time_point h2d_engine_free;
+
+Clock::time_point arrival(PJRT_Buffer* buffer) {
+  std::lock_guard<std::mutex> lock(timeline_mutex);
+  auto it = arrives.find(buffer);
+  return it == arrives.end() ? Clock::time_point{} : it->second;
+}
+
+// ---- delayed events ----------------------------------------------------------------------------
+// A wrapped event is ready when the inner event is and, after that, `delay` has passed and
+// `not_before` is reached.
+struct DelayedEvent {
+  DelayedEvent(PJRT_Event* inner, Clock::time_point not_before, Nanos delay)
+      : inner(inner), not_before(not_before), delay(delay) {}
+  PJRT_Event* const inner;
+  const Clock::time_point not_before;
+  const Nanos delay;
+  std::mutex mutex;
+  bool inner_done = false;
+  Clock::time_point inner_done_at;
+
+  // When the event is ready, counting from the first time the inner one was seen done.
+  Clock::time_point mark_inner_done() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!inner_done) inner_done = true, inner_done_at = Clock::now();
+    return std::max(not_before, inner_done_at + delay);
+  }
+};
+std::mutex events_mutex;
+std::unordered_set<PJRT_Event*> delayed_events;
+
+DelayedEvent* as_delayed(PJRT_Event* event) {
+  std::lock_guard<std::mutex> lock(events_mutex);
+  return delayed_events.count(event) ? reinterpret_cast<DelayedEvent*>(event) : nullptr;
+}
+
+PJRT_Event* delay_event(PJRT_Event* inner_event, Clock::time_point not_before, Nanos delay) {
+  auto* event = new DelayedEvent(inner_event, not_before, delay);
+  auto* handle = reinterpret_cast<PJRT_Event*>(event);
+  std::lock_guard<std::mutex> lock(events_mutex);
+  delayed_events.insert(handle);
+  return handle;
+}
+
+// Runs callbacks at their time, in time order, on one thread (started on first use, never ended:
+// it must outlive every event, including at process exit).
+class Timer {
+ public:
+  void at(Clock::time_point when, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push({when, seq_++, std::move(fn)});
+      if (!started_) started_ = true, std::thread([this] { run(); }).detach();
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  struct Item {
+    Clock::time_point when;
+    uint64_t seq;
+    std::function<void()> fn;
+    bool operator>(const Item& o) const { return when != o.when ? when > o.when : seq > o.seq; }
+  };
+  void run() {
+    const auto slack = std::chrono::microseconds(150);
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [this] { return !queue_.empty(); });
+      auto when = queue_.top().when;
+      if (when - Clock::now() > slack) {
+        wake_.wait_until(lock, when - slack);  // or until an earlier item arrives
+        continue;
+      }
+      if (Clock::now() < when) {
+        lock.unlock();
+        wait_until(when);
+        lock.lock();
+        continue;
+      }
+      auto item = queue_.top();
+      queue_.pop();
+      lock.unlock();
+      item.fn();
+      lock.lock();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue_;
+  uint64_t seq_ = 0;
+  bool started_ = false;
+};
+Timer* timer = new Timer;  // leaked on purpose, see Timer
+
+// ---- helpers -------------------------------------------------------------------------------------
+uint64_t element_bits(PJRT_Buffer_Type type) {
+  switch (type) {
+    case PJRT_Buffer_Type_PRED:
+    case PJRT_Buffer_Type_S8:
+    case PJRT_Buffer_Type_U8:
+    case PJRT_Buffer_Type_F8E5M2:
+    case PJRT_Buffer_Type_F8E4M3FN:
+    case PJRT_Buffer_Type_F8E4M3B11FNUZ:
+    case PJRT_Buffer_Type_F8E5M2FNUZ:
+    case PJRT_Buffer_Type_F8E4M3FNUZ:
+    case PJRT_Buffer_Type_F8E4M3:
+    case PJRT_Buffer_Type_F8E3M4:
+    case PJRT_Buffer_Type_F8E8M0FNU:
+      return 8;
+    case PJRT_Buffer_Type_S16:
+    case PJRT_Buffer_Type_U16:
+    case PJRT_Buffer_Type_F16:
+    case PJRT_Buffer_Type_BF16:
+      return 16;
+    case PJRT_Buffer_Type_S32:
+    case PJRT_Buffer_Type_U32:
+    case PJRT_Buffer_Type_F32:
+      return 32;
+    case PJRT_Buffer_Type_S64:
+    case PJRT_Buffer_Type_U64:
+    case PJRT_Buffer_Type_F64:
+    case PJRT_Buffer_Type_C64:
+      return 64;
+    case PJRT_Buffer_Type_C128:
+      return 128;
+    case PJRT_Buffer_Type_S4:
+    case PJRT_Buffer_Type_U4:
+    case PJRT_Buffer_Type_F4E2M1FN:
+      return 4;
+    case PJRT_Buffer_Type_S2:
+    case PJRT_Buffer_Type_U2:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+// ---- replaced entries ------------------------------------------------------------------------
+PJRT_Error* PlatformName(PJRT_Client_PlatformName_Args* args) {
+  if (config.platform_name.empty()) return inner->PJRT_Client_PlatformName(args);
+  args->platform_name = config.platform_name.c_str();
+  args->platform_name_size = config.platform_name.size();
+  return nullptr;
+}
+
+// "CpuDevice(id=0)" becomes "EmuDevice(id=0)" for platform "emu": what jax prints as the device.
+std::mutex names_mutex;
+std::unordered_map<PJRT_DeviceDescription*, std::string> device_names;
+
+PJRT_Error* DeviceToString(PJRT_DeviceDescription_ToString_Args* args) {
+  PJRT_Error* error = inner->PJRT_DeviceDescription_ToString(args);
+  if (error || config.platform_name.empty()) return error;
+  std::string name(args->to_string, args->to_string_size);
+  auto open = name.find("Device(");
+  if (open == std::string::npos) return nullptr;
+  std::string prefix = config.platform_name;
+  prefix[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(prefix[0])));
+  std::lock_guard<std::mutex> lock(names_mutex);
+  auto& stored = device_names[args->device_description] = prefix + name.substr(open);
+  args->to_string = stored.c_str();
+  args->to_string_size = stored.size();
+  return nullptr;
+}
+
+PJRT_Error* IsOnCpu(PJRT_Buffer_IsOnCpu_Args* args) {
+  if (!config.discrete) return inner->PJRT_Buffer_IsOnCpu(args);
+  args->is_on_cpu = false;
+  return nullptr;
+}
+
+PJRT_Error* Compile(PJRT_Client_Compile_Args* args) {
+  counters[kCompiles].fetch_add(1, std::memory_order_relaxed);
+  return inner->PJRT_Client_Compile(args);
+}
+
+PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
+  uint64_t elements = 1;
+  for (size_t i = 0; i < args->num_dims; ++i) elements *= args->dims[i];
+  uint64_t bytes = (elements * element_bits(args->type) + 7) / 8;
+  counters[kH2D].fetch_add(1, std::memory_order_relaxed);
+  counters[kH2DBytes].fetch_add(bytes, std::memory_order_relaxed);
+  if (config.discrete && (args->host_buffer_semantics == PJRT_HostBufferSemantics_kImmutableZeroCopy ||
+                          args->host_buffer_semantics == PJRT_HostBufferSemantics_kMutableZeroCopy)) {
+    args->host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;  // a real copy
+  }
+  PJRT_Error* error = inner->PJRT_Client_BufferFromHostBuffer(args);
+  if (error || !costs_on.load(std::memory_order_relaxed)) return error;
+  Costs c = current_costs();
+  std::lock_guard<std::mutex> lock(timeline_mutex);
+  auto start = std::max(Clock::now(), h2d_engine_free);
+  h2d_engine_free = start + transfer_time(c.h2d_latency_s, c.h2d_bytes_per_s, bytes);
+  arrives[args->buffer] = h2d_engine_free;
+  return nullptr;
+}
+
+PJRT_Error* BufferDestroy(PJRT_Buffer_Destroy_Args* args) {
+  {
+    std::lock_guard<std::mutex> lock(timeline_mutex);
+    arrives.erase(args->buffer);
+  }
+  return inner->PJRT_Buffer_Destroy(args);
+}
+
+PJRT_Error* BufferReadyEvent(PJRT_Buffer_ReadyEvent_Args* args) {
+  PJRT_Error* error = inner->PJRT_Buffer_ReadyEvent(args);
+  auto when = arrival(args->buffer);
+  if (!error && when > Clock::now()) args->event = delay_event(args->event, when, Nanos(0));
+  return error;
+}
+
+PJRT_Error* Execute(PJRT_LoadedExecutable_Execute_Args* args) {
+  counters[kLaunches].fetch_add(1, std::memory_order_relaxed);
+  if (costs_on.load(std::memory_order_relaxed)) {
+    Clock::time_point inputs_ready{};
+    for (size_t d = 0; d < args->num_devices; ++d)
+      for (size_t i = 0; i < args->num_args; ++i)
+        inputs_ready = std::max(inputs_ready, arrival(args->argument_lists[d][i]));
+    wait_until(inputs_ready);
+    Costs c = current_costs();
+    wait_until(Clock::now() + transfer_time(c.launch_s, 0, 0));
+  }
+  return inner->PJRT_LoadedExecutable_Execute(args);
+}
+
+PJRT_Error* ToHostBuffer(PJRT_Buffer_ToHostBuffer_Args* args) {
+  if (args->dst == nullptr) return inner->PJRT_Buffer_ToHostBuffer(args);  // a size query
+  uint64_t bytes = args->dst_size;
+  counters[kD2H].fetch_add(1, std::memory_order_relaxed);
+  counters[kD2HBytes].fetch_add(bytes, std::memory_order_relaxed);
+  auto arrived = arrival(args->src);
+  PJRT_Error* error = inner->PJRT_Buffer_ToHostBuffer(args);
+  if (error || !costs_on.load(std::memory_order_relaxed)) return error;
+  Costs c = current_costs();
+  auto cost = transfer_time(c.d2h_latency_s, c.d2h_bytes_per_s, bytes);
+  args->event = delay_event(args->event, arrived + cost, cost);
+  return nullptr;
+}
+
+// ---- events: wrapped ones handled here, the others forwarded --------------------------------
+PJRT_Error* EventDestroy(PJRT_Event_Destroy_Args* args) {
+  DelayedEvent* event = as_delayed(args->event);
+  if (!event) return inner->PJRT_Event_Destroy(args);
+  {
+    std::lock_guard<std::mutex> lock(events_mutex);
+    delayed_events.erase(args->event);
+  }
+  PJRT_Event_Destroy_Args inner_args = *args;
+  inner_args.event = event->inner;
+  PJRT_Error* error = inner->PJRT_Event_Destroy(&inner_args);
+  delete event;
+  return error;
+}
+
+PJRT_Error* EventIsReady(PJRT_Event_IsReady_Args* args) {
+  DelayedEvent* event = as_delayed(args->event);
+  if (!event) return inner->PJRT_Event_IsReady(args);
+  PJRT_Event_IsReady_Args inner_args = *args;
+  inner_args.event = event->inner;
+  if (PJRT_Error* error = inner->PJRT_Event_IsReady(&inner_args)) return error;
+  args->is_ready = inner_args.is_ready && Clock::now() >= event->mark_inner_done();
+  return nullptr;
+}
+
+PJRT_Error* EventError(PJRT_Event_Error_Args* args) {
+  DelayedEvent* event = as_delayed(args->event);
+  if (!event) return inner->PJRT_Event_Error(args);
+  PJRT_Event_Error_Args inner_args = *args;
+  inner_args.event = event->inner;
+  return inner->PJRT_Event_Error(&inner_args);
+}
+
+PJRT_Error* EventAwait(PJRT_Event_Await_Args* args) {
+  DelayedEvent* event = as_delayed(args->event);
+  if (!event) return inner->PJRT_Event_Await(args);
+  PJRT_Event_Await_Args inner_args = *args;
+  inner_args.event = event->inner;
+  PJRT_Error* error = inner->PJRT_Event_Await(&inner_args);
+  wait_until(event->mark_inner_done());
+  return error;
+}
+
+// The event may be destroyed before its callback runs: the callback keeps its own copy of the times.
+struct PendingCallback {
+  Clock::time_point not_before;
+  Nanos delay;
+  PJRT_Event_OnReadyCallback callback;
+  void* user_arg;
+};
+
+void OnInnerReady(PJRT_Error* error, void* user_arg) {
+  auto* pending = static_cast<PendingCallback*>(user_arg);
+  auto when = std::max(pending->not_before, Clock::now() + pending->delay);
+  auto fire = [pending, error] {
+    pending->callback(error, pending->user_arg);
+    delete pending;
+  };
+  if (Clock::now() >= when) return fire();
+  timer->at(when, fire);
+}
+
+PJRT_Error* EventOnReady(PJRT_Event_OnReady_Args* args) {
+  DelayedEvent* event = as_delayed(args->event);
+  if (!event) return inner->PJRT_Event_OnReady(args);
+  PJRT_Event_OnReady_Args inner_args = *args;
+  inner_args.event = event->inner;
+  inner_args.callback = OnInnerReady;
+  inner_args.user_arg =
+      new PendingCallback{event->not_before, event->delay, args->callback, args->user_arg};
+  return inner->PJRT_Event_OnReady(&inner_args);
+}
+
+}  // namespace
+
+// ---- the C ABI ----------------------------------------------------------------------------------
+#define SINKAX_EXPORT __attribute__((visibility("default")))
+
+extern "C" {
+
+// Must be called before GetPjrtApi. Returns 0, or -1 once the plugin is already loaded.
+SINKAX_EXPORT int sinkax_pjrt_configure(const char* inner_path, const char* platform_name, int discrete) {
+  if (inner) return -1;
+  config.inner_path = inner_path;
+  config.platform_name = platform_name ? platform_name : "";
+  config.discrete = discrete != 0;
+  return 0;
+}
+
+SINKAX_EXPORT void sinkax_pjrt_set_costs(double launch_s, double h2d_latency_s, double h2d_bytes_per_s,
+                           double d2h_latency_s, double d2h_bytes_per_s) {
+  std::lock_guard<std::mutex> lock(costs_mutex);
+  costs = Costs{launch_s, h2d_latency_s, h2d_bytes_per_s, d2h_latency_s, d2h_bytes_per_s};
+  costs_on = launch_s > 0 || h2d_latency_s > 0 || h2d_bytes_per_s > 0 || d2h_latency_s > 0 ||
+             d2h_bytes_per_s > 0;
+}
+
+// Writes the counters (launches, h2d, h2d_bytes, d2h, d2h_bytes, compiles) into out[0..n).
+SINKAX_EXPORT size_t sinkax_pjrt_counters(uint64_t* out, size_t n) {
+  size_t count = std::min<size_t>(n, kNumCounters);
+  for (size_t i = 0; i < count; ++i) out[i] = counters[i].load();
+  return kNumCounters;
+}
+
+// The error dlopen/dlsym gave while loading the inner plugin, or "".
+static std::string load_error;
+SINKAX_EXPORT const char* sinkax_pjrt_load_error() { return load_error.c_str(); }
+
+SINKAX_EXPORT const PJRT_Api* GetPjrtApi() {
+  if (api) return api;
+  if (config.inner_path.empty()) {
+    load_error = "sinkax_pjrt_configure was not called before the plugin was loaded";
+    return nullptr;
+  }
+  void* handle = dlopen(config.inner_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!handle) {
+    load_error = dlerror();
+    return nullptr;
+  }
+  auto get = reinterpret_cast<const PJRT_Api* (*)()>(dlsym(handle, "GetPjrtApi"));
+  if (!get) {
+    load_error = "the inner plugin has no GetPjrtApi: " + config.inner_path;
+    return nullptr;
+  }
+  inner = get();
+  // Copied by the inner struct_size: slots newer than this header pass through untouched.
+  auto* table = new char[std::max(sizeof(PJRT_Api), inner->struct_size)]();
+  std::memcpy(table, inner, inner->struct_size);
+  api = reinterpret_cast<PJRT_Api*>(table);
+  api->PJRT_Client_PlatformName = PlatformName;
+  api->PJRT_Buffer_IsOnCpu = IsOnCpu;
+  api->PJRT_DeviceDescription_ToString = DeviceToString;
+  api->PJRT_Client_Compile = Compile;
+  api->PJRT_Client_BufferFromHostBuffer = BufferFromHostBuffer;
+  api->PJRT_Buffer_Destroy = BufferDestroy;
+  api->PJRT_Buffer_ReadyEvent = BufferReadyEvent;
+  api->PJRT_LoadedExecutable_Execute = Execute;
+  api->PJRT_Buffer_ToHostBuffer = ToHostBuffer;
+  api->PJRT_Event_Destroy = EventDestroy;
+  api->PJRT_Event_IsReady = EventIsReady;
+  api->PJRT_Event_Error = EventError;
+  api->PJRT_Event_Await = EventAwait;
+  api->PJRT_Event_OnReady = EventOnReady;
+  return api;
+}
+
+}  // extern "C"

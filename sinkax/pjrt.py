@@ -1,0 +1,175 @@
+"""sinkax's PJRT plugin layer: one forwarding plugin that counts host–device interactions, and
+over XLA:CPU emulates a discrete accelerator.
+
+The plugin (package ``sinkax-pjrt``, C++ under ``plugin/``) forwards every PJRT C API call to an
+inner plugin and registers with jax as a platform of its own. It is never loaded unless asked,
+once per process, **before jax initializes its backends** (before the first ``jax.devices()``,
+``jax.device_put`` or computation):
+
+* :func:`use_emulated` (or ``SINKAX_PJRT=<preset>`` in the environment): platform ``"emu"`` over
+  the XLA:CPU plugin of ``xla-cpu-pjrt``, with its own device buffers (host data is copied,
+  results read back), charging a preset's launch and transfer costs (:mod:`sinkax.presets`);
+* :func:`use_plugin`: any PJRT plugin by path (e.g. a CUDA or an Ascend plugin), counted, under a
+  platform name of your choice.
+
+It stays a secondary backend: jax's default device does not change. :func:`interactions` reads
+the counters (launches, transfers each way with their bytes, compiles).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.util
+import logging
+
+from jax._src import xla_bridge
+from jax._src.interpreters import mlir
+
+from sinkax.presets import Preset, preset
+
+EMULATED_PLATFORM = "emu"
+_COUNTERS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Interactions:
+    """Host–device interactions counted by the plugin since the process loaded it.
+
+    ``launches``: executables launched (one per ``Execute``, whatever the number of outputs);
+    ``h2d``/``d2h``: transfers (one per array leaf) and their bytes; ``compiles``.
+    Subtract two snapshots for what happened in between.
+    """
+
+    launches: int = 0
+    h2d: int = 0
+    h2d_bytes: int = 0
+    d2h: int = 0
+    d2h_bytes: int = 0
+    compiles: int = 0
+
+    def __sub__(self, other: Interactions) -> Interactions:
+        return Interactions(
+            *(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+    library: ctypes.CDLL
+    platform: str
+    inner_path: str
+
+
+_loaded: list[_Loaded] = []  # the plugin, once loaded: one per process
+
+
+def _plugin_library_path() -> str:
+    if importlib.util.find_spec("sinkax_pjrt") is None:
+        raise ImportError(
+            "sinkax's PJRT plugin is not installed: run `pip install ./plugin` in the sinkax "
+            "checkout (`make .venv/.installed` does), which builds it with CMake."
+        )
+    import sinkax_pjrt
+
+    return sinkax_pjrt.library_path()
+
+
+def use_plugin(
+    inner_path: str, platform: str, *, discrete: bool = True, costs: str | Preset = "counting"
+) -> str:
+    """Register sinkax's counting plugin over the PJRT plugin at ``inner_path`` as ``platform``.
+
+    ``discrete``: present buffers as device memory (``Buffer_IsOnCpu`` false, host arrays always
+    copied). Call before jax initializes its backends; calling again with the same arguments
+    only updates the costs. Returns the platform name (for ``jax.devices(platform)``).
+    """
+    if _loaded:
+        if (_loaded[0].inner_path, _loaded[0].platform) != (inner_path, platform):
+            raise RuntimeError(
+                f"sinkax's PJRT plugin is already loaded as {_loaded[0].platform!r} over "
+                f"{_loaded[0].inner_path}; one process can load it once."
+            )
+        set_costs(costs)
+        return platform
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "jax has already initialized its backends, so a plugin can no longer be added. Call "
+            "sinkax.pjrt.use_emulated()/use_plugin() before the first jax.devices(), "
+            "device_put or computation, or set SINKAX_PJRT=<preset> in the environment."
+        )
+    path = _plugin_library_path()
+    library = ctypes.CDLL(path)
+    library.sinkax_pjrt_set_costs.argtypes = [ctypes.c_double] * 5
+    library.sinkax_pjrt_load_error.restype = ctypes.c_char_p
+    if library.sinkax_pjrt_configure(inner_path.encode(), platform.encode(), int(discrete)):
+        raise RuntimeError("sinkax's PJRT plugin was loaded outside sinkax.pjrt; reconfigure it.")
+    _loaded.append(_Loaded(library, platform, inner_path))
+    set_costs(costs)
+    logging.getLogger("jax._src.xla_bridge").addFilter(
+        lambda record: f"'{platform}' is experimental" not in record.getMessage()
+    )
+    # jax donates buffers only on platforms it knows; XLA's PJRT plugins implement donation.
+    if platform not in mlir._platforms_with_donation:
+        mlir._platforms_with_donation.append(platform)
+    try:
+        xla_bridge.register_plugin(platform, priority=-100, library_path=path)
+    except Exception as error:
+        reason = library.sinkax_pjrt_load_error().decode()
+        raise RuntimeError(f"Could not load the PJRT plugin {inner_path}: {reason}") from error
+    return platform
+
+
+def use_emulated(costs: str | Preset = "pcie4-x16") -> str:
+    """Register the emulated discrete accelerator (platform ``"emu"``) with ``costs``'s preset.
+
+    Returns ``"emu"``; its devices are then ``jax.devices("emu")``. Figures measured on it are
+    emulated: compute runs at this CPU's speed.
+    """
+    import sinkax_pjrt
+
+    _plugin_library_path()
+    return use_plugin(sinkax_pjrt.cpu_plugin_path(), EMULATED_PLATFORM, costs=costs)
+
+
+def loaded_platform() -> str | None:
+    """The platform the plugin registered in this process, or ``None``."""
+    return _loaded[0].platform if _loaded else None
+
+
+def set_costs(costs: str | Preset) -> None:
+    """Charge ``costs`` (a preset name or :class:`~sinkax.presets.Preset`) from now on."""
+    chosen = preset(costs)
+    _library().sinkax_pjrt_set_costs(
+        chosen.launch_s,
+        chosen.h2d_latency_s,
+        chosen.h2d_bytes_per_s,
+        chosen.d2h_latency_s,
+        chosen.d2h_bytes_per_s,
+    )
+
+
+def interactions() -> Interactions:
+    """The plugin's counters now (see :class:`Interactions`)."""
+    values = (ctypes.c_uint64 * _COUNTERS)()
+    _library().sinkax_pjrt_counters(values, _COUNTERS)
+    return Interactions(*values)
+
+
+def _library() -> ctypes.CDLL:
+    if not _loaded:
+        raise RuntimeError(
+            "sinkax's PJRT plugin is not loaded in this process: call "
+            "sinkax.pjrt.use_emulated() (or use_plugin()) before jax initializes its backends."
+        )
+    return _loaded[0].library
+
+
+def counted(platform: str) -> Interactions | None:
+    """:func:`interactions` now if ``platform`` is the plugin's, else ``None``."""
+    return interactions() if _loaded and platform == _loaded[0].platform else None
+
+
+def since(start: Interactions | None) -> Interactions | None:
+    """What was counted since ``start`` (a :func:`counted` snapshot; ``None`` stays ``None``)."""
+    return None if start is None else interactions() - start

@@ -1,0 +1,226 @@
+"""sinkax's PJRT plugin: the emulated device, its interaction counters, its costs, device targets.
+
+conftest.py registers the emulated device ("emu") before jax's backends start. The counts here
+are MindSpore's claims about sinking, made exact: per-step training is one launch and one batch
+transfer per step; a sink is one launch per call and one transfer per chunk; reading an output
+is one transfer per leaf.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import init_state, reference_run, regression_batches, train_step
+
+import sinkax
+from sinkax import pjrt
+from sinkax.backend import backend_of, resolve_device
+from sinkax.presets import Preset
+from sinkax.train import DatasetHelper, connect_network_with_dataset
+
+BATCH_LEAVES = 2  # {"x", "y"}
+
+
+@pytest.fixture
+def emu():
+    return jax.devices(pjrt.EMULATED_PLATFORM)[0]
+
+
+@pytest.fixture
+def counting():
+    """No emulated costs during the test (the counts do not depend on them)."""
+    pjrt.set_costs("counting")
+    yield
+    pjrt.set_costs(os.environ.get("SINKAX_TEST_PRESET", "pcie4-x16"))
+
+
+def on_device(tree, device):
+    return jax.block_until_ready(jax.device_put(tree, device))
+
+
+def test_the_emulated_device_is_a_regular_jax_device_but_not_the_default(emu):
+    assert emu.platform == "emu" and jax.default_backend() == "cpu"
+    x = jax.device_put(np.arange(6.0, dtype=np.float32), emu)
+    y = jax.jit(lambda a: jnp.sin(a) * 2)(x)
+    assert y.devices() == {emu}
+    np.testing.assert_allclose(np.asarray(y), np.sin(np.arange(6.0)) * 2, rtol=1e-6)
+
+
+def test_host_arrays_are_copied_to_the_emulated_device_never_aliased(emu):
+    host = np.zeros((64, 1024), np.float32)  # 256 KiB: XLA:CPU would alias it if aligned
+    device = jax.block_until_ready(jax.device_put(host, emu))
+    host[:] = 7
+    assert float(np.asarray(device).max()) == 0.0
+    assert not backend_of(emu).aliases_host_buffers and not backend_of(emu).host_is_device
+
+
+def test_backends_describe_what_each_platform_can_do(emu):
+    cpu, emulated = backend_of(jax.devices("cpu")[0]), backend_of(emu)
+    assert (cpu.host_is_device, cpu.aliases_host_buffers, cpu.python_callbacks) == (True,) * 3
+    assert (emulated.python_callbacks, emulated.ffi) == (False, False)
+    assert emulated.num_devices == len(jax.devices("emu"))
+
+    def with_callback(x):
+        return jax.experimental.io_callback(lambda v: v, x, x)
+
+    with pytest.raises(Exception, match="EmitPythonCallback` not supported on emu"):
+        jax.jit(with_callback)(jax.device_put(np.float32(1), emu))
+
+
+def test_transfers_count_one_per_leaf_with_their_bytes(emu, counting):
+    tree = {"a": np.ones((3, 5), np.float32), "b": np.arange(7, dtype=np.int64), "c": np.int8(1)}
+    before = pjrt.interactions()
+    on_device(tree, emu)
+    moved = pjrt.interactions() - before
+    nbytes = sum(np.asarray(leaf).nbytes for leaf in tree.values())
+    # int64 becomes int32 without jax_enable_x64
+    assert (moved.h2d, moved.h2d_bytes) == (3, nbytes - 7 * 4)
+    assert (moved.launches, moved.d2h, moved.compiles) == (0, 0, 0)
+
+
+def test_a_jitted_call_is_one_launch_and_reading_it_one_transfer_per_leaf(emu, counting):
+    f = jax.jit(lambda x: {"sum": x.sum(), "twice": x * 2, "rows": x[0]})
+    x = on_device(np.ones((4, 3), np.float32), emu)
+    before = pjrt.interactions()
+    out = jax.block_until_ready(f(x))
+    called = pjrt.interactions() - before
+    assert (called.launches, called.compiles, called.h2d, called.d2h) == (1, 1, 0, 0)
+    jax.block_until_ready(f(x))
+    assert (pjrt.interactions() - before).compiles == 1  # cached
+    before = pjrt.interactions()
+    jax.device_get(out)
+    read = pjrt.interactions() - before
+    assert (read.d2h, read.d2h_bytes) == (3, 4 + 48 + 12)
+
+
+def test_per_step_training_is_one_launch_and_one_batch_transfer_per_step(emu, counting):
+    batches, steps = regression_batches(10), 7
+    state = on_device(init_state(), emu)
+    step = jax.jit(train_step)
+    step(state, batches[0])  # compile
+    before = pjrt.interactions()
+    for i in range(steps):
+        state, _ = step(state, batches[i])
+    jax.block_until_ready(state)
+    counted = pjrt.interactions() - before
+    assert (counted.launches, counted.h2d, counted.d2h) == (steps, steps * BATCH_LEAVES, 0)
+    assert counted.h2d_bytes == steps * sum(leaf.nbytes for leaf in batches[0].values())
+
+
+def test_non_sink_mode_is_one_launch_and_one_batch_transfer_per_step(emu, counting):
+    batches = regression_batches(6)
+    state = on_device(init_state(), emu)
+    before = pjrt.interactions()
+    with DatasetHelper(batches, dataset_sink_mode=False, device=emu) as helper:
+        net = connect_network_with_dataset(train_step, helper)
+        for _ in helper:
+            state, _ = net(state)
+    counted = pjrt.interactions() - before
+    assert counted.launches == len(batches)
+    assert counted.h2d == len(batches) * BATCH_LEAVES and counted.d2h == 0
+
+
+@pytest.mark.parametrize("sink_size", [1, 4, 10])
+@pytest.mark.parametrize("strategy", ["scan", "loop"])
+def test_a_sink_is_one_launch_per_call_and_one_transfer_per_chunk(
+    emu, counting, sink_size, strategy
+):
+    state, calls = on_device(init_state(), emu), 6
+    before = pjrt.interactions()
+    sink = sinkax.data_sink(
+        train_step, regression_batches(40), sink_size, device=emu, strategy=strategy
+    )
+    for _ in range(calls):
+        state, _ = sink(state)
+    jax.block_until_ready(state)
+    sink.close()  # the producer stops: no transfer after the snapshot below
+    stats, counted = sink.stats, pjrt.interactions() - before
+    chunks, steps = stats.chunks_transferred, calls * sink_size
+    if strategy == "scan":  # one program per call; its start offset is one scalar argument
+        assert counted.launches == calls
+        assert counted.h2d == chunks * BATCH_LEAVES + calls
+    else:  # one program per step, plus one that stacks the call's outputs; the loop's start
+        assert counted.launches == steps + calls  # (outputs, offset, counter) is 3 leaves
+        assert counted.h2d == chunks * BATCH_LEAVES + 3 * calls
+    assert counted.d2h == 0 and stats.interactions == sink.stats.interactions
+
+
+def test_sink_stats_count_interactions_on_the_plugins_device_only(emu, counting, batches):
+    with sinkax.data_sink(train_step, batches, 5, device=emu, strategy="scan") as sink:
+        state, loss = sink(init_state())
+        jax.block_until_ready(state)
+        np.asarray(loss)
+        counted = sink.stats.interactions
+    assert counted.launches == 1 and counted.d2h == 1 and counted.d2h_bytes == loss.nbytes
+    assert counted.h2d >= len(jax.tree.leaves(state)) + BATCH_LEAVES  # state once, a chunk
+    with sinkax.data_sink(train_step, batches, 5, device=jax.devices("cpu")[0]) as sink:
+        sink(init_state())
+        assert sink.stats.interactions is None
+
+
+def test_emulated_transfers_complete_late_and_launches_cost_time(emu):
+    slow = Preset("slow", launch_s=0.15, h2d_latency_s=0.3, d2h_latency_s=0.2)
+    f = jax.jit(lambda x: x + 1)
+    x = on_device(np.ones(4, np.float32), emu)
+    jax.block_until_ready(f(x))  # compiled before the costs apply
+    pjrt.set_costs(slow)
+    try:
+        t0 = time.perf_counter()
+        y = jax.device_put(np.ones(4, np.float32), emu)
+        t_put = time.perf_counter()
+        jax.block_until_ready(y)
+        t_arrived = time.perf_counter()
+        z = jax.block_until_ready(f(y))
+        t_launched = time.perf_counter()
+        np.asarray(z)
+        t_read = time.perf_counter()
+    finally:
+        pjrt.set_costs(os.environ.get("SINKAX_TEST_PRESET", "pcie4-x16"))
+    assert t_put - t0 < 0.3 <= t_arrived - t0  # asynchronous: the host went on at once
+    assert t_launched - t_arrived >= 0.15 and t_read - t_launched >= 0.2
+
+
+def test_a_sink_on_the_emulated_device_matches_the_plain_loop_on_cpu(emu, batches):
+    losses, state = [], init_state()
+    with sinkax.data_sink(train_step, batches, 4, device=emu) as sink:
+        for _ in range(3):
+            state, loss = sink(state)
+            losses.append(np.asarray(loss))
+    with jax.default_device(jax.devices("cpu")[0]):
+        ref_state, ref_losses = reference_run(batches, 12)
+    np.testing.assert_allclose(np.concatenate(losses), ref_losses, rtol=1e-4, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4), state, ref_state)
+
+
+def test_device_targets_reach_the_emulated_device_and_explain_a_missing_ascend(monkeypatch):
+    assert resolve_device("Emulated").platform == "emu"
+    monkeypatch.delenv("SINKAX_ASCEND_PJRT", raising=False)
+    with pytest.raises(ValueError, match=r"needs an Ascend PJRT plugin.*SINKAX_ASCEND_PJRT"):
+        resolve_device("Ascend")
+
+
+def test_the_plugin_loads_in_a_fresh_process_only_when_asked():
+    code = "import jax; print({d.platform for d in jax.devices('emu')})"
+    asked = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "SINKAX_PJRT": "counting"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert asked.stdout.strip() == "{'emu'}"
+    env = {k: v for k, v in os.environ.items() if k != "SINKAX_PJRT"}
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert plain.returncode != 0 and "Unknown backend" in plain.stderr
+
+
+def test_misuse_of_the_plugin_layer_is_explained():
+    with pytest.raises(ValueError, match="Unknown emulated-device preset 'nope'"):
+        pjrt.use_emulated("nope")
+    with pytest.raises(RuntimeError, match="already loaded as 'emu'"):
+        pjrt.use_plugin("/elsewhere/plugin.so", "ascend")
