@@ -234,9 +234,10 @@ class Sink:
                 f"{type(dataset).__name__} has no len(). Pass sink_size > 0 (steps per call) or a "
                 "sized dataset (a grain MapDataset, a list)."
             )
+        recorded = data_state.get("strategy") if isinstance(data_state, dict) else None
         try:
             self._strategy_name = strategies.resolve(
-                strategy,
+                strategies.pinned(strategy, recorded),
                 jit=self.jit,
                 steps_per_call=self.steps_per_call,
                 platform=self.device.platform,
@@ -293,12 +294,27 @@ class Sink:
         )
 
     def data_state(self) -> dict[str, Any]:
-        """Where the next call starts reading: ``{"epoch", "step", "source"}``, JSON-friendly.
+        """Where the next call starts reading: ``{"epoch", "step", "source"}``, JSON-friendly,
+        and, once known, the ``"strategy"`` that ran (``"scan"`` or ``"loop"``).
 
         Pass it to :meth:`restore_data_state` (or ``data_sink(..., data_state=...)``) to continue
-        with exactly the next batch, none repeated and none skipped.
+        with exactly the next batch, none repeated and none skipped -- and, where ``"auto"``
+        would choose, with the same strategy, so that a resumed run computes what the
+        uninterrupted one did, bit for bit.
         """
-        return dict(self._committed)
+        name = getattr(self._strategy, "name", None)
+        return {**self._committed, **({"strategy": name} if name in strategies.RECORDED else {})}
+
+    def reselect(self) -> None:
+        """Let ``"auto"`` measure its candidates again at the next call (e.g. after the machine's
+        load changed); the new choice replaces the one kept for this step function."""
+        if not isinstance(self._strategy, strategies.Auto):
+            raise ValueError(
+                f"This sink's strategy is {self.stats.strategy!r}, not chosen by measuring: "
+                "reselect() applies to strategy='auto' (not pinned by strategy=, "
+                f"{strategies.ENV} or a data_state's 'strategy'), once it has been called."
+            )
+        self._strategy.reselect()
 
     def restore_data_state(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
@@ -319,6 +335,8 @@ class Sink:
             raise
         self._committed = snapshot(self._source)
         self._resync = False
+        if isinstance(self._strategy, strategies.Auto) and state.get("strategy"):
+            self._strategy.pin(state["strategy"])
         self._start_ring()
 
     @property
@@ -558,8 +576,10 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         With ``sink_size > 0`` the data is traversed endlessly.
       jit: ``True`` compiles (GRAPH mode), ``False`` runs eagerly (PYNATIVE, for debugging);
         default from :func:`sinkax.set_context`.
-      strategy: ``"auto"`` (measure, keep the faster), ``"scan"``, ``"loop"``, or for
-        ``sink_size=1`` ``"step"`` (see :mod:`sinkax.strategy`).
+      strategy: ``"auto"`` (measure in the first call, keep the faster), ``"scan"``, ``"loop"``,
+        or for ``sink_size=1`` ``"step"`` (see :mod:`sinkax.strategy`). The environment
+        variable ``SINKAX_STRATEGY`` (``scan`` / ``loop``) pins what ``"auto"`` runs, and so
+        does a ``data_state`` that recorded one.
       prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.

@@ -38,6 +38,7 @@ Array([1., 3., 6.], dtype=float32)
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -49,23 +50,28 @@ import numpy as np
 from sinkax.executable import (
     Compiler,
     StepFn,
+    empty_outs,
     layout,
-    scan_program,
+    out_shape,
     single_step_program,
     step_program,
+    window_program,
 )
+from sinkax.rewrite import canonical_convs
 
 NAMES = ("auto", "scan", "loop", "step")
+RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
+ENV = "SINKAX_STRATEGY"  # pins what "auto" runs, e.g. SINKAX_STRATEGY=scan
 CLEAR_MARGIN = 1.5
-MIN_TRIAL_S = 0.2
 PREFER_MARGIN = 1.1
+TRIAL_S = 0.03
 
 
 class Strategy(Protocol):
     """Runs ``fn`` over a window of a chunk."""
 
     name: str
-    atomic: bool  # one dispatch and no blocking per window: an interrupt cannot split it
+    atomic: bool  # compiles before its first dispatch, which donates the state: see Sink
 
     def dispatches(self, steps: int) -> int:
         """Executables dispatched to run a window of ``steps``."""
@@ -74,84 +80,92 @@ class Strategy(Protocol):
         """``(state, outs)`` after batches ``offset .. offset+steps``; ``state`` is donated."""
 
 
-class Candidate(Strategy, Protocol):
-    """A strategy that :class:`Auto` can time: it compiles ahead, outside the timed run."""
+class Windowed:
+    """A strategy that runs a window through the carry ``(state, outs, i, j)`` of
+    :func:`~sinkax.executable.step_program` (batch ``i`` into row ``j`` of ``outs``), so that
+    :class:`Auto` can run one window partly with each candidate.
 
-    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
-        """Compile what :meth:`run` needs for this layout, running nothing."""
+    :meth:`executable` compiles (nothing runs), :meth:`advance` runs ``n`` steps of the carry.
+    """
+
+    name: str
+    atomic = True  # everything is compiled before the first dispatch donates the state
+
+    def __init__(self, fn: StepFn, compiler: Compiler):
+        self._fn, self._compiler = fn, compiler
+        self._last: tuple[Any, ...] = (None, None, None, None)  # state out, chunk, steps, exe
+
+    def dispatches(self, steps: int) -> int:
+        raise NotImplementedError
+
+    def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
+        raise NotImplementedError
+
+    def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
+        raise NotImplementedError
+
+    def start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
+        """The carry before batch ``offset`` of a window of ``steps``: an empty output buffer."""
+        key = ("out_shape", layout((state, chunk)))
+        out = self._compiler.memo(key, lambda: out_shape(self._fn, state, chunk))
+        outs = empty_outs(out, steps, np.zeros)
+        return (state, *jax.device_put((outs, np.int32(offset), np.int32(0)), _device(chunk)))
+
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        last_state, last_chunk, last_steps, executable = self._last
+        carry = self.start(state, chunk, offset, steps)
+        if not (state is last_state and chunk is last_chunk and steps == last_steps):
+            executable = self.executable(carry, chunk, steps)
+        # the usual call passes back the state the last one returned, on the same chunk: its
+        # layout is known, so the lookup above (a walk over every leaf) is skipped
+        carry = self.advance(executable, carry, chunk, steps)
+        self._last = (carry[0], chunk, steps, executable)
+        return carry[0], carry[1]
 
 
-class Scan:
-    """All steps of a window in one ``lax.scan`` executable."""
+def _device(chunk: Any) -> jax.Device:
+    (device,) = jax.tree.leaves(chunk)[0].devices()
+    return device
+
+
+class Scan(Windowed):
+    """All steps of a window in one executable (:func:`~sinkax.executable.window_program`).
+
+    On a CPU device the step's convolutions are put in XLA:CPU's canonical layout first (see
+    :mod:`sinkax.rewrite`): inside a loop body XLA:CPU does not do that itself.
+    """
 
     name = "scan"
-    atomic = True
 
     def dispatches(self, steps: int) -> int:
         return 1
 
-    def __init__(self, fn: StepFn, compiler: Compiler, unroll: int = 1):
-        self._fn, self._unroll, self._compiler = fn, unroll, compiler
-        self._last: tuple[Any, ...] = (None, None, None, None)  # state out, chunk, steps, exe
-
-    def _executable(self, state: Any, chunk: Any, offset: int, steps: int) -> Any:
+    def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
         def program():
-            return scan_program(self._fn, steps, self._unroll)
+            cpu = _device(chunk).platform == "cpu"
+            return window_program(canonical_convs(self._fn) if cpu else self._fn)
 
-        return self._compiler.get("scan", steps, program, state, chunk, offset)
+        return self._compiler.get("scan", steps, program, carry, chunk, np.int32(steps))
 
-    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
-        self._executable(state, chunk, offset, steps)
-
-    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        last_state, last_chunk, last_steps, executable = self._last
-        if not (state is last_state and chunk is last_chunk and steps == last_steps):
-            executable = self._executable(state, chunk, offset, steps)
-        # the usual call passes back the state the last one returned, on the same chunk: its
-        # layout is known, so the lookup above (a walk over every leaf) is skipped
-        state, outs = executable(state, chunk, offset)
-        self._last = (state, chunk, steps, executable)
-        return state, outs
+    def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
+        return executable(carry, chunk, np.int32(n))
 
 
-class Loop:
+class Loop(Windowed):
     """The compiled step dispatched once per batch of the device-resident chunk."""
 
     name = "loop"
-    atomic = False
 
     def dispatches(self, steps: int) -> int:
         return steps
 
-    def __init__(self, fn: StepFn, compiler: Compiler):
-        self._fn = fn
-        self._program = step_program(fn)
-        self._compiler = compiler
+    def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
+        return self._compiler.get("step", steps, lambda: step_program(self._fn), carry, chunk)
 
-    def _out_shape(self, state: Any, chunk: Any) -> Any:
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)
-        return jax.eval_shape(self._fn, state, batch)[1]
-
-    def _start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
-        key = ("out_shape", layout((state, chunk)))
-        out = self._compiler.memo(key, lambda: self._out_shape(state, chunk))
-        outs = jax.tree.map(lambda o: np.zeros((steps, *o.shape), o.dtype), out)
-        device = jax.tree.leaves(chunk)[0].device
-        start = jax.device_put((outs, np.int32(offset), np.int32(0)), device)  # one transfer
-        return (state, *start)
-
-    def _executable(self, carry: Any, chunk: Any, steps: int) -> Any:
-        return self._compiler.get("step", steps, lambda: self._program, carry, chunk)
-
-    def prepare(self, state: Any, chunk: Any, offset: int, steps: int) -> None:
-        self._executable(self._start(state, chunk, offset, steps), chunk, steps)
-
-    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        carry = self._start(state, chunk, offset, steps)
-        step = self._executable(carry, chunk, steps)
-        for _ in range(steps):
-            carry = step(carry, chunk)
-        return carry[0], carry[1]
+    def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
+        for _ in range(n):
+            carry = executable(carry, chunk)
+        return carry
 
 
 class Step:
@@ -210,58 +224,101 @@ class Eager:
 
 
 class Auto:
-    """Measures each candidate on whole sinks, then keeps the fastest per step.
+    """Measures its candidates on windows of the steps of the first call, then keeps the fastest.
 
-    Each trial runs whole calls until it has :data:`MIN_TRIAL_S` of measured work, so that tiny
-    sinks are not judged on one noisy call.
+    ``candidates[0]`` is kept unless another is faster by :data:`PREFER_MARGIN`. The decision is
+    kept beside the executables (per step function, state and batch layout, device) and reused by
+    every later sink of the same step; :meth:`reselect` measures again.
     """
 
-    def __init__(self, candidates: list[Candidate], clock: Callable[[], float] = time.perf_counter):
-        self._schedule = [candidates[0], *candidates, *reversed(candidates)]  # warm-up, A B B A
-        self._first, *self._others = candidates  # the first is kept unless another is faster
+    def __init__(
+        self,
+        candidates: list[Windowed],
+        compiler: Compiler,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self._candidates = candidates
+        self._first, *self._others = candidates
+        self._decisions: dict[Any, str] = compiler.memo("auto decisions", dict)
         self._clock = clock
-        self._trial = 0
-        self._trial_s = self._trial_steps = 0.0
-        self.chosen: Candidate | None = None
-        self.last: Candidate = candidates[0]
-        self.timings: dict[str, float] = {c.name: math.inf for c in candidates}
+        self._key: Any = None
+        self._reset()
+        self._use_decided = True  # what an earlier sink of this step decided
+
+    def reselect(self) -> None:
+        """Measure again at the next call, ignoring the decision made for this step before."""
+        self._reset()
+        self._use_decided = False
+
+    def _reset(self) -> None:
+        self.chosen: Windowed | None = None
+        self.timings: dict[str, float] = {c.name: math.inf for c in self._candidates}
+        self._warm = list(self._candidates)  # one untimed step each: first runs are slow
+        self._pending = [*self._candidates, *reversed(self._candidates)]  # A B B A
+        self._k: int | None = None  # steps per trial, from one timed step
+
+    def pin(self, name: str) -> None:
+        """Run the candidate called ``name`` from now on, measuring nothing."""
+        self.chosen = next(c for c in self._candidates if c.name == name)
 
     @property
     def name(self) -> str:
         return self.chosen.name if self.chosen else "auto (measuring)"
 
-    @property
-    def atomic(self) -> bool:
-        """False while measuring: a trial blocks after its dispatch."""
-        return self.chosen.atomic if self.chosen else False
+    atomic = True  # every candidate compiles before the window's first dispatch
 
     def dispatches(self, steps: int) -> int:
-        return (self.chosen or self.last).dispatches(steps)
+        return (self.chosen or self._first).dispatches(steps)
 
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        if self.chosen:
+        if self._key is None:
+            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)
+            self._key = (layout(state), layout(batch), _device(chunk).platform)
+        if self.chosen is None and self._use_decided and self._key in self._decisions:
+            self.pin(self._decisions[self._key])
+        if self.chosen is not None:
             return self.chosen.run(state, chunk, offset, steps)
-        candidate = self.last = self._schedule[self._trial]
-        candidate.prepare(state, chunk, offset, steps)
-        t0 = self._clock()
-        state, outs = jax.block_until_ready(candidate.run(state, chunk, offset, steps))
-        self._trial_s += self._clock() - t0
-        self._trial_steps += steps
-        if self._trial_s >= MIN_TRIAL_S:
-            if self._trial > 0:  # the warm-up trial is not recorded
-                per_step = self._trial_s / self._trial_steps
-                self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
-            self._trial += 1
-            self._trial_s = self._trial_steps = 0.0
-            rivals = [self.timings[c.name] for c in self._others]
-            clear = all(map(math.isfinite, rivals)) and (
-                min(rivals) > CLEAR_MARGIN * self.timings[self._first.name]
-            )
-            if clear or self._trial == len(self._schedule):
-                self.chosen = self._fastest()
-        return state, outs
+        return self._measure(state, chunk, offset, steps)
 
-    def _fastest(self) -> Candidate:
+    def _measure(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        """Run the window, trials first: each step once, in order, whichever candidate runs it."""
+        carry = self._first.start(state, chunk, offset, steps)
+        executables = {c.name: c.executable(carry, chunk, steps) for c in self._candidates}
+        left = steps
+
+        def advance(candidate: Windowed, n: int) -> float:
+            """Seconds per step of ``candidate`` running the next ``n`` steps."""
+            nonlocal carry, left
+            jax.block_until_ready(carry)
+            t0 = self._clock()
+            carry = candidate.advance(executables[candidate.name], carry, chunk, n)
+            jax.block_until_ready(carry)
+            left -= n
+            return (self._clock() - t0) / n
+
+        while left and self._warm:
+            advance(self._warm.pop(0), 1)
+        if left and self._k is None:
+            per_step = advance(self._first, 1)
+            self._k = max(1, min(round(TRIAL_S / per_step), left // len(self._pending)))
+        while self.chosen is None and self._k is not None and left >= self._k:
+            candidate = self._pending.pop(0)
+            per_step = advance(candidate, self._k)
+            self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
+            if not self._pending or self._clearly_first():
+                self.chosen = self._fastest()
+                self._decisions[self._key] = self.chosen.name
+        if left:
+            rest = self.chosen or self._first
+            carry = rest.advance(executables[rest.name], carry, chunk, left)
+        return carry[0], carry[1]
+
+    def _clearly_first(self) -> bool:
+        rivals = [self.timings[c.name] for c in self._others]
+        first = self.timings[self._first.name]
+        return all(map(math.isfinite, rivals)) and min(rivals) > CLEAR_MARGIN * first
+
+    def _fastest(self) -> Windowed:
         """The first candidate, unless another is faster by :data:`PREFER_MARGIN`."""
         best = min(self._others, key=lambda c: self.timings[c.name])
         if self.timings[best.name] * PREFER_MARGIN < self.timings[self._first.name]:
@@ -296,6 +353,26 @@ def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) 
     return name
 
 
+def pinned(name: str, recorded: str | None = None) -> str:
+    """What a sink asked for ``name`` runs: ``"auto"`` becomes the strategy a saved data
+    position ``recorded`` (see ``Sink.data_state``), else the environment variable
+    :data:`ENV`; any other name stays.
+
+    >>> pinned("auto", recorded="loop"), pinned("scan", recorded="loop")
+    ('loop', 'scan')
+    """
+    if name != "auto":
+        return name
+    if recorded is not None:
+        if recorded not in RECORDED:
+            raise ValueError(f"data_state['strategy'] must be one of {RECORDED}, got {recorded!r}.")
+        return recorded
+    env = os.environ.get(ENV, "auto")
+    if env not in ("auto", *RECORDED):
+        raise ValueError(f"The environment variable {ENV}={env!r}: use one of {RECORDED} or auto.")
+    return env
+
+
 def takes_stacked_chunks(name: str) -> bool:
     """Whether the strategy ``name`` runs on batches stacked on the device (the ring's copy), or,
     for ``"step"``, on a sequence of unstacked batches."""
@@ -308,7 +385,7 @@ def make(name: str, fn: StepFn, compiler: Compiler, batches_alike: bool = True) 
     if name == "eager":
         return Eager(fn)
     if name == "auto":
-        return Auto([Scan(fn, compiler), Loop(fn, compiler)])
+        return Auto([Scan(fn, compiler), Loop(fn, compiler)], compiler)
     if name == "step":
         return Step(fn, compiler, batches_alike)
     return {"scan": Scan, "loop": Loop}[name](fn, compiler)
