@@ -247,6 +247,7 @@ class Sink:
             raise
         self._compiler = Compiler(fn, save_graphs=save_graphs or context.graphs_folder())
         self._strategy: Any = None
+        self._reselect = False  # measure at the next call, see reselect()
         self._stateful: bool | None = None
         self._in_flight: tuple[Any, Any] | None = None
         self._chunk: Chunk | None = None  # being consumed, piece by piece
@@ -307,14 +308,18 @@ class Sink:
 
     def reselect(self) -> None:
         """Let ``"auto"`` measure its candidates again at the next call (e.g. after the machine's
-        load changed); the new choice replaces the one kept for this step function."""
-        if not isinstance(self._strategy, strategies.Auto):
+        load changed) instead of reusing the choice made for this step function before; the new
+        choice replaces it."""
+        if self._strategy_name != "auto":
             raise ValueError(
-                f"This sink's strategy is {self.stats.strategy!r}, not chosen by measuring: "
+                f"This sink's strategy is {self._strategy_name!r}, not chosen by measuring: "
                 "reselect() applies to strategy='auto' (not pinned by strategy=, "
-                f"{strategies.ENV} or a data_state's 'strategy'), once it has been called."
+                f"{strategies.ENV} or a data_state's 'strategy')."
             )
-        self._strategy.reselect()
+        if self._strategy is None:
+            self._reselect = True  # applied once the first call made the strategy
+        else:
+            self._strategy.reselect()
 
     def restore_data_state(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
@@ -365,6 +370,9 @@ class Sink:
             self._stateful = stateful
             fn = self.fn if stateful else stateless(self.fn)
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
+        if self._reselect:
+            self._strategy.reselect()
+            self._reselect = False
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")
@@ -522,7 +530,8 @@ class Sink:
             fn, state = stateless(self.fn), ()
         else:
             fn = self.fn
-        return Compiler.lower(scan_program(fn, steps), state, spec.stacked(steps), 0)
+        program = scan_program(strategies.loop_body(fn, self.device.platform), steps)
+        return Compiler.lower(program, state, spec.stacked(steps), 0)
 
     @property
     def stats(self) -> SinkStats:

@@ -1,28 +1,35 @@
 """Execution strategies: how the steps of one device-resident chunk are run.
 
-* ``"scan"``  -- one executable runs the whole chunk (``lax.scan``): one dispatch per chunk. The
-  loop-sink proper, and the fastest choice wherever the step compiles as well inside a loop body
-  as outside (GPU, dense-only networks on CPU).
+* ``"scan"``  -- one executable runs the whole window (a loop of dynamic trip count): one
+  dispatch per window. The loop-sink proper. On a CPU device the step's convolutions are first
+  put in XLA:CPU's canonical layout (:mod:`sinkax.rewrite`), which XLA:CPU itself does only
+  outside loop bodies; with that, a convolutional step is as fast in the loop as standalone.
 * ``"loop"``  -- the compiled step is dispatched once per step over slices of the chunk, which
-  stays on the device. No per-step host data work, but one dispatch per step. On XLA:CPU some step
-  functions (e.g. convolutions' weight gradients) only get the fast kernels outside a while-loop
-  body; for those this beats ``"scan"``.
+  stays on the device. No per-step host data work, but one dispatch per step: for steps that
+  XLA compiles better outside a loop body than inside one.
 * ``"step"``  -- one-step calls only: the compiled step runs on one batch as the producer copied
   it, unstacked, which XLA takes at dispatch, as a plain jitted step does. On a CPU device the
   device memory is host memory, so stacking batches into a ring of chunks and slicing them out
   again is more memory traffic, in a second thread that competes with XLA's compute threads for
   the cores.
 * ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
-* ``"auto"``  -- times ``"scan"`` and ``"loop"`` on whole sinks (compile time excluded) and
-  keeps the faster per step. The first :data:`MIN_TRIAL_S` of calls run untimed (the producer
-  is still filling the ring then, which would bias whichever ran first); then the candidates
-  run in the order A, B, B, A (each trial at least :data:`MIN_TRIAL_S` of calls), each judged
-  by its best trial (noise only ever slows a trial down). ``"scan"`` -- the loop sink proper --
-  is kept unless ``"loop"`` is faster by :data:`PREFER_MARGIN`; measuring stops after A, B
-  when ``"scan"`` is clearly faster (by :data:`CLEAR_MARGIN`), while a ``"loop"`` that looks
-  faster waits for the second round, which gives ``"scan"`` a second trial: one slow spell of a
-  shared machine during a scan trial does not decide. A sink of one-step calls is not measured (see
-  :func:`resolve`). ``Sink.stats`` records the choice and the timings.
+* ``"auto"``  -- measures ``"scan"`` and ``"loop"`` on the steps of the first call itself and
+  keeps the faster per step. Both share one carry (state, output buffer, positions), so a
+  window can be run partly by each, every step once and in order: one untimed step each (first
+  runs are slow), one timed step that sizes the trials to about :data:`TRIAL_S` (at most a
+  quarter of what is left of the window each), then trials in the order A, B, B, A, each
+  judged by its best trial (noise only ever slows a trial down), and the rest of the window
+  with the choice. Both executables are compiled before the first dispatch and serve any
+  window length, so measuring compiles nothing extra; its cost is bounded by the trials of the
+  slower candidate (``2 * TRIAL_S`` at most, less with short calls). A call too short for all
+  trials continues them in the next. ``"scan"`` -- the loop sink proper -- is kept unless
+  ``"loop"`` is faster by :data:`PREFER_MARGIN`; measuring stops after A, B when ``"scan"`` is
+  clearly faster (by :data:`CLEAR_MARGIN`), while a ``"loop"`` that looks faster waits for the
+  second round. The choice is kept per step function, state and batch layout and platform, and
+  reused by every later sink of that step (``Sink.reselect()`` measures again); the
+  environment variable :data:`ENV` or a data position that recorded a choice pins it (see
+  :func:`pinned`). A sink of one-step calls is not measured (see :func:`resolve`).
+  ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
 window of ``steps`` batches of a chunk, starting at ``offset``: batches stacked on the device, or
@@ -123,6 +130,13 @@ class Windowed:
         return carry[0], carry[1]
 
 
+def loop_body(fn: StepFn, platform: str) -> StepFn:
+    """``fn`` as a loop body on ``platform``: on CPU its convolutions in XLA:CPU's canonical
+    layout (:func:`~sinkax.rewrite.canonical_convs`), which XLA:CPU gives only a standalone
+    step."""
+    return canonical_convs(fn) if platform == "cpu" else fn
+
+
 def _device(chunk: Any) -> jax.Device:
     (device,) = jax.tree.leaves(chunk)[0].devices()
     return device
@@ -142,8 +156,7 @@ class Scan(Windowed):
 
     def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
         def program():
-            cpu = _device(chunk).platform == "cpu"
-            return window_program(canonical_convs(self._fn) if cpu else self._fn)
+            return window_program(loop_body(self._fn, _device(chunk).platform))
 
         return self._compiler.get("scan", steps, program, carry, chunk, np.int32(steps))
 

@@ -675,6 +675,10 @@ def test_auto_reuses_the_decision_for_the_step_until_reselect(batches):
         assert second.stats.strategy == "auto (measuring)"
         second(state)
         assert set(second.stats.strategy_timings) == {"scan", "loop"}
+    with sinkax.data_sink(step, batches, 12) as third:
+        third.reselect()  # before the first call: measures in it
+        third(init_state())
+        assert set(third.stats.strategy_timings) == {"scan", "loop"}
     with (
         sinkax.data_sink(step, batches, 12, strategy="scan") as pinned,
         pytest.raises(ValueError, match="reselect"),
