@@ -16,13 +16,14 @@
 * ``"auto"``  -- measures ``"scan"`` and ``"loop"`` on the steps of the first call itself and
   keeps the faster per step. Both share one carry (state, output buffer, positions), so a
   window can be run partly by each, every step once and in order: one untimed step each (first
-  runs are slow), one timed step that sizes the trials to about :data:`TRIAL_S` (at most a
-  quarter of what is left of the window each), then trials in the order A, B, B, A, each
-  judged by its best trial (noise only ever slows a trial down), and the rest of the window
-  with the choice. Both executables are compiled before the first dispatch and serve any
-  window length, so measuring compiles nothing extra; its cost is bounded by the trials of the
-  slower candidate (``2 * TRIAL_S`` at most, less with short calls). A call too short for all
-  trials continues them in the next. ``"scan"`` -- the loop sink proper -- is kept unless
+  runs are slow), one timed step that sizes the trials to about :data:`TRIAL_S`, then trials
+  in the order A, B, B, A, each candidate judged by its best trial (noise only ever slows a
+  trial down), and the rest of the window with the choice. A call shorter than that carries
+  the trials on into the next calls, so the decision comes after about ``4 * TRIAL_S`` of
+  steps: inside the first call when it is that long. Both executables are compiled before the
+  first dispatch and serve any window length, so measuring compiles nothing extra; its cost is
+  what the slower candidate loses in its two trials. ``"scan"`` -- the loop sink proper -- is
+  kept unless
   ``"loop"`` is faster by :data:`PREFER_MARGIN`; measuring stops after A, B when ``"scan"`` is
   clearly faster (by :data:`CLEAR_MARGIN`), while a ``"loop"`` that looks faster waits for the
   second round. The choice is kept per step function, state and batch layout and platform, and
@@ -71,7 +72,7 @@ RECORDED = ("scan", "loop")  # the choices of "auto", which a data position reco
 ENV = "SINKAX_STRATEGY"  # pins what "auto" runs, e.g. SINKAX_STRATEGY=scan
 CLEAR_MARGIN = 1.5
 PREFER_MARGIN = 1.1
-TRIAL_S = 0.03
+TRIAL_S = 0.01
 
 
 class Strategy(Protocol):
@@ -269,6 +270,7 @@ class Auto:
         self._warm = list(self._candidates)  # one untimed step each: first runs are slow
         self._pending = [*self._candidates, *reversed(self._candidates)]  # A B B A
         self._k: int | None = None  # steps per trial, from one timed step
+        self._trial_s, self._trial_steps = 0.0, 0  # of the trial under way
 
     def pin(self, name: str) -> None:
         """Run the candidate called ``name`` from now on, measuring nothing."""
@@ -294,33 +296,39 @@ class Auto:
         return self._measure(state, chunk, offset, steps)
 
     def _measure(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        """Run the window, trials first: each step once, in order, whichever candidate runs it."""
+        """Run the window, trials first: each step once, in order, whichever candidate runs it.
+        A trial longer than what is left of the window continues in the next call."""
         carry = self._first.start(state, chunk, offset, steps)
         executables = {c.name: c.executable(carry, chunk, steps) for c in self._candidates}
         left = steps
 
         def advance(candidate: Windowed, n: int) -> float:
-            """Seconds per step of ``candidate`` running the next ``n`` steps."""
+            """Seconds ``candidate`` takes to run the next ``n`` steps."""
             nonlocal carry, left
             jax.block_until_ready(carry)
             t0 = self._clock()
             carry = candidate.advance(executables[candidate.name], carry, chunk, n)
             jax.block_until_ready(carry)
             left -= n
-            return (self._clock() - t0) / n
+            return self._clock() - t0
 
         while left and self._warm:
             advance(self._warm.pop(0), 1)
         if left and self._k is None:
-            per_step = advance(self._first, 1)
-            self._k = max(1, min(round(TRIAL_S / per_step), left // len(self._pending)))
-        while self.chosen is None and self._k is not None and left >= self._k:
-            candidate = self._pending.pop(0)
-            per_step = advance(candidate, self._k)
-            self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
-            if not self._pending or self._clearly_first():
-                self.chosen = self._fastest()
-                self._decisions[self._key] = self.chosen.name
+            self._k = max(1, round(TRIAL_S / advance(self._first, 1)))
+        while self.chosen is None and self._k is not None and left:
+            candidate = self._pending[0]
+            n = min(left, self._k - self._trial_steps)
+            self._trial_s += advance(candidate, n)
+            self._trial_steps += n
+            if self._trial_steps == self._k:
+                per_step = self._trial_s / self._k
+                self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
+                self._pending.pop(0)
+                self._trial_s, self._trial_steps = 0.0, 0
+                if not self._pending or self._clearly_first():
+                    self.chosen = self._fastest()
+                    self._decisions[self._key] = self.chosen.name
         if left:
             rest = self.chosen or self._first
             carry = rest.advance(executables[rest.name], carry, chunk, left)

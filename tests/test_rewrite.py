@@ -17,7 +17,12 @@ CASES = [  # lhs shape, rhs shape, dimension numbers, conv options
     ((2, 3, 9, 9), (4, 3, 3, 3), ("NCHW", "OIHW", "NCHW"), {"window_strides": (2, 1)}),
     ((2, 3, 9, 8), (4, 3, 3, 2), ("NCHW", "OIHW", "NHWC"), {"padding": "SAME"}),
     ((9, 2, 8, 3), (3, 2, 3, 4), ("HNWC", "HWIO", "CHWN"), {"padding": ((1, 2), (0, -1))}),
-    ((2, 9, 9, 3), (3, 3, 3, 4), ("NHWC", "HWIO", "NHWC"), {"lhs_dilation": (2, 1), "padding": ((1, 0), (2, 1))}),
+    (
+        (2, 9, 9, 3),
+        (3, 3, 3, 4),
+        ("NHWC", "HWIO", "NHWC"),
+        {"lhs_dilation": (2, 1), "padding": ((1, 0), (2, 1))},
+    ),
     ((2, 9, 9, 3), (3, 3, 3, 4), ("NHWC", "IOHW", "NCHW"), {"rhs_dilation": (1, 2)}),
     ((2, 3, 11), (4, 3, 3), ("NCH", "OIH", "NCH"), {"window_strides": (2,)}),
     ((2, 5, 6, 7, 3), (2, 3, 2, 3, 4), ("NDHWC", "DHWIO", "NCDHW"), {}),

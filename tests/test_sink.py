@@ -636,7 +636,8 @@ def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
     assert run_sink(batches, 4, 2, step=step, strategy="scan")[2].compiles == 1
 
 
-def test_auto_decides_inside_the_first_call(batches):
+def test_auto_decides_inside_the_first_call(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # trials of one step: 12 are enough
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
         state = init_state()
         assert sink.stats.strategy == "auto"
@@ -654,16 +655,19 @@ def test_auto_decides_inside_the_first_call(batches):
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
 
 
-def test_auto_measures_short_calls_over_several(batches):
+def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
     with sinkax.data_sink(functools.partial(train_step), batches, 4) as sink:
-        state, _ = sink(init_state())  # 2 warm-up steps, 1 timed step, 1 trial of 1 step
+        state, _ = sink(init_state())  # 2 warm-up steps, 1 timed step, 1 step of a trial
         assert sink.stats.strategy == "auto (measuring)"
-        state, _ = sink(state)
-        state, _ = sink(state)
-        assert sink.stats.strategy in ("scan", "loop")
+        while sink.stats.strategy.startswith("auto") and sink.stats.calls < 10_000:
+            state, _ = sink(state)
+        stats = sink.stats
+    assert stats.strategy in ("scan", "loop") and stats.calls > 1
+    assert set(stats.strategy_timings) == {"scan", "loop"}
 
 
-def test_auto_reuses_the_decision_for_the_step_until_reselect(batches):
+def test_auto_reuses_the_decision_for_the_step_until_reselect(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided in the first call
     step = functools.partial(train_step)
     with sinkax.data_sink(step, batches, 12) as first:
         first(init_state())
@@ -697,6 +701,7 @@ def test_the_callers_state_is_donated_alike_while_measuring_and_after(batches, s
 
 
 def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided in the first call
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
         assert "strategy" not in sink.data_state()  # not known before the first call
         sink(init_state())
@@ -750,7 +755,7 @@ class _Timed:
 def test_auto_keeps_scan_unless_loop_is_faster_in_both_rounds(
     monkeypatch, scan_trials, loop_trials, chosen, trials_run
 ):
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 1e9)  # trials as long as the window allows
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 10)  # 10 steps of cost 1 a trial
     clock = types.SimpleNamespace(now=0.0)
     rest = [1] * 10  # steps after the decision
     scan = _Timed("scan", [1, 1, *scan_trials, *rest], clock)  # warm-up, timed step, trials
