@@ -17,19 +17,19 @@
   keeps the faster per step. Both share one carry (state, output buffer, positions), so a
   window can be run partly by each, every step once and in order: one untimed step each (first
   runs are slow), one timed step that sizes the trials to about :data:`TRIAL_S`, then trials
-  in the order A, B, B, A, each candidate judged by its best trial (noise only ever slows a
-  trial down), and the rest of the window with the choice. A call shorter than that carries
-  the trials on into the next calls, so the decision comes after about ``4 * TRIAL_S`` of
-  steps: inside the first call when it is that long. Both executables are compiled before the
-  first dispatch and serve any window length, so measuring compiles nothing extra; its cost is
-  what the slower candidate loses in its two trials. ``"scan"`` -- the loop sink proper -- is
-  kept unless
+  in the order A, B, A (``"scan"``, ``"loop"``, ``"scan"``), and the rest of the window with
+  the choice. Each candidate is judged by its best trial: noise only ever slows a trial down,
+  so one slow spell of a shared machine in a scan trial does not decide, and one in the loop
+  trial keeps scan, the safe default. ``"scan"`` -- the loop sink proper -- is kept unless
   ``"loop"`` is faster by :data:`PREFER_MARGIN`; measuring stops after A, B when ``"scan"`` is
-  clearly faster (by :data:`CLEAR_MARGIN`), while a ``"loop"`` that looks faster waits for the
-  second round. The choice is kept per step function, state and batch layout and platform, and
-  reused by every later sink of that step (``Sink.reselect()`` measures again); the
-  environment variable :data:`ENV` or a data position that recorded a choice pins it (see
-  :func:`pinned`). A sink of one-step calls is not measured (see :func:`resolve`).
+  clearly faster (by :data:`CLEAR_MARGIN`). A call too short for the trials carries them on
+  into the next calls, so the decision comes after about ``3 * TRIAL_S`` of steps: inside the
+  first call when it is that long. Both executables are compiled before the first dispatch and
+  serve any window length, so measuring compiles nothing extra; its cost is what the slower
+  candidate loses in its trial. The choice is kept per step function, state and batch layout
+  and platform, and reused by every later sink of that step (``Sink.reselect()`` measures
+  again); the environment variable :data:`ENV` or a data position that recorded a choice pins
+  it (see :func:`pinned`). A sink of one-step calls is not measured (see :func:`resolve`).
   ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
@@ -268,7 +268,7 @@ class Auto:
         self.chosen: Windowed | None = None
         self.timings: dict[str, float] = {c.name: math.inf for c in self._candidates}
         self._warm = list(self._candidates)  # one untimed step each: first runs are slow
-        self._pending = [*self._candidates, *reversed(self._candidates)]  # A B B A
+        self._pending = [*self._candidates, self._first]  # A B A: see the module docstring
         self._k: int | None = None  # steps per trial, from one timed step
         self._trial_s, self._trial_steps = 0.0, 0  # of the trial under way
 
