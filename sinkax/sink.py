@@ -151,6 +151,8 @@ def check_data_state(source: Source, data_state: Any) -> None:
             "data_state must be what Sink.data_state() returned, a dict with 'epoch', 'step' "
             f"and 'source'; got {data_state!r:.200}."
         )
+    if "strategy" in data_state:
+        strategies.check_recorded(data_state["strategy"])
     try:
         source.check_state(data_state["source"])
     except ValueError as error:
@@ -340,8 +342,11 @@ class Sink:
             raise
         self._committed = snapshot(self._source)
         self._resync = False
-        if isinstance(self._strategy, strategies.Auto) and state.get("strategy"):
-            self._strategy.pin(state["strategy"])
+        if "strategy" in state:  # what "auto" would measure, the saved run chose
+            if isinstance(self._strategy, strategies.Auto):
+                self._strategy.pin(state["strategy"])
+            elif self._strategy is None and self._strategy_name == "auto":
+                self._strategy_name = state["strategy"]
         self._start_ring()
 
     @property

@@ -374,6 +374,15 @@ def resolve(name: str, *, jit: bool, steps_per_call: int | None, platform: str) 
     return name
 
 
+def check_recorded(recorded: Any) -> None:
+    """``ValueError`` unless ``recorded`` is a strategy a data position may record."""
+    if recorded not in RECORDED:
+        raise ValueError(
+            f"data_state['strategy'] must be one of {RECORDED} (what Sink.data_state() "
+            f"records), got {recorded!r:.100}."
+        )
+
+
 def pinned(name: str, recorded: str | None = None) -> str:
     """What a sink asked for ``name`` runs: ``"auto"`` becomes the strategy a saved data
     position ``recorded`` (see ``Sink.data_state``), else the environment variable
@@ -385,8 +394,7 @@ def pinned(name: str, recorded: str | None = None) -> str:
     if name != "auto":
         return name
     if recorded is not None:
-        if recorded not in RECORDED:
-            raise ValueError(f"data_state['strategy'] must be one of {RECORDED}, got {recorded!r}.")
+        check_recorded(recorded)
         return recorded
     env = os.environ.get(ENV, "auto")
     if env not in ("auto", *RECORDED):

@@ -711,6 +711,12 @@ def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
         data_state = {**saved, "strategy": recorded}
         with sinkax.data_sink(train_step, batches, 12, data_state=data_state) as resumed:
             assert resumed.stats.strategy == recorded  # not measured again
+    with sinkax.data_sink(functools.partial(train_step), batches, 12) as restored:
+        restored.restore_data_state({**saved, "strategy": "loop"})
+        with pytest.raises(ValueError, match=r"data_state\['strategy'\] must be one of"):
+            restored.restore_data_state({**saved, "strategy": "fast"})
+        restored(init_state())
+        assert restored.stats.strategy == "loop" and restored.stats.strategy_timings == {}
     monkeypatch.setenv("SINKAX_STRATEGY", "loop")
     with sinkax.data_sink(train_step, batches, 12) as pinned:
         assert pinned.stats.strategy == "loop"
