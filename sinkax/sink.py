@@ -238,11 +238,14 @@ class Sink:
             )
         recorded = data_state.get("strategy") if isinstance(data_state, dict) else None
         try:
-            self._strategy_name = strategies.resolve(
-                strategies.pinned(strategy, recorded),
-                jit=self.jit,
-                steps_per_call=self.steps_per_call,
-                platform=self.device.platform,
+            self._strategy_name = strategies.pinned(  # what "auto" would measure
+                strategies.resolve(
+                    strategy,
+                    jit=self.jit,
+                    steps_per_call=self.steps_per_call,
+                    platform=self.device.platform,
+                ),
+                recorded,
             )
         except ValueError:
             self._source.close()
@@ -375,9 +378,8 @@ class Sink:
             self._stateful = stateful
             fn = self.fn if stateful else stateless(self.fn)
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
-        if self._reselect:
-            self._strategy.reselect()
-            self._reselect = False
+            if self._reselect:
+                self._strategy.reselect()
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")

@@ -384,9 +384,9 @@ def check_recorded(recorded: Any) -> None:
 
 
 def pinned(name: str, recorded: str | None = None) -> str:
-    """What a sink asked for ``name`` runs: ``"auto"`` becomes the strategy a saved data
-    position ``recorded`` (see ``Sink.data_state``), else the environment variable
-    :data:`ENV`; any other name stays.
+    """What a sink resolved to ``name`` (see :func:`resolve`) runs: ``"auto"`` -- which then
+    measures -- becomes the strategy a saved data position ``recorded`` (see
+    ``Sink.data_state``), else the environment variable :data:`ENV`; any other name stays.
 
     >>> pinned("auto", recorded="loop"), pinned("scan", recorded="loop")
     ('loop', 'scan')
