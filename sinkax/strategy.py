@@ -101,7 +101,7 @@ class Windowed:
 
     def __init__(self, fn: StepFn, compiler: Compiler):
         self._fn, self._compiler = fn, compiler
-        self._last: tuple[Any, ...] = (None, None, None, None)  # state out, chunk, steps, exe
+        self._last: tuple[Any, ...] = (None,) * 5  # state out, chunk, steps, exe, one output
 
     def dispatches(self, steps: int) -> int:
         raise NotImplementedError
@@ -112,22 +112,29 @@ class Windowed:
     def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
         raise NotImplementedError
 
-    def start(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, ...]:
-        """The carry before batch ``offset`` of a window of ``steps``: an empty output buffer."""
-        key = ("out_shape", layout((state, chunk)))
-        out = self._compiler.memo(key, lambda: out_shape(self._fn, state, chunk))
+    def start(
+        self, state: Any, chunk: Any, offset: int, steps: int, out: Any = None
+    ) -> tuple[Any, ...]:
+        """The carry before batch ``offset`` of a window of ``steps``: an empty output buffer
+        for outputs like ``out`` (one step's, abstract; looked up when not given)."""
+        if out is None:
+            key = ("out_shape", layout((state, chunk)))
+            out = self._compiler.memo(key, lambda: out_shape(self._fn, state, chunk))
         outs = empty_outs(out, steps, np.zeros)
         return (state, *jax.device_put((outs, np.int32(offset), np.int32(0)), _device(chunk)))
 
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        last_state, last_chunk, last_steps, executable = self._last
-        carry = self.start(state, chunk, offset, steps)
-        if not (state is last_state and chunk is last_chunk and steps == last_steps):
+        last_state, last_chunk, last_steps, executable, out = self._last
+        if state is last_state and chunk is last_chunk and steps == last_steps:
+            # the usual call passes back the state the last one returned, on the same chunk:
+            # its layout is known, so the lookups (walks over every leaf) are skipped
+            carry = self.start(state, chunk, offset, steps, out)
+        else:
+            carry = self.start(state, chunk, offset, steps)
             executable = self.executable(carry, chunk, steps)
-        # the usual call passes back the state the last one returned, on the same chunk: its
-        # layout is known, so the lookup above (a walk over every leaf) is skipped
+            out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), carry[1])
         carry = self.advance(executable, carry, chunk, steps)
-        self._last = (carry[0], chunk, steps, executable)
+        self._last = (carry[0], chunk, steps, executable, out)
         return carry[0], carry[1]
 
 
