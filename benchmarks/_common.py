@@ -29,17 +29,42 @@ class Workload:
     batches: list[dict[str, np.ndarray]]
 
 
+def flax_lenet5() -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
+    """``(init(key) -> params, apply(params, x) -> logits)`` of LeNet5 written with flax linen
+    (``nn.Conv``, ``nn.max_pool``, ``nn.Dense``), as a flax user writes it."""
+    import flax.linen as nn
+
+    class LeNet5(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for features in (6, 16):
+                x = nn.Conv(features, (5, 5), padding="VALID", use_bias=False)(x)
+                x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = x.reshape(x.shape[0], -1)
+            x = nn.relu(nn.Dense(120)(x))
+            x = nn.relu(nn.Dense(84)(x))
+            return nn.Dense(10)(x)
+
+    net = LeNet5()
+    return (
+        lambda key: net.init(key, jnp.zeros((1, 32, 32, 1)))["params"],
+        lambda params, x: net.apply({"params": params}, x),
+    )
+
+
 def workload(name: str, num_batches: int, batch_size: int = 32, seed: int = 0) -> Workload:
-    """``"lenet"`` (the reference LeNet5) or ``"mlp"`` (1024-128-10), SGD-momentum, built with
-    :func:`sinkax.train.make_train_step` (what ``Model.train`` runs)."""
+    """``"lenet"`` (the reference LeNet5, ``lax.conv``), ``"flax"`` (LeNet5 in flax ``nn.Conv``)
+    or ``"mlp"`` (1024-128-10), SGD-momentum, built with :func:`sinkax.train.make_train_step`
+    (what ``Model.train`` runs)."""
     from sinkax import nets
     from sinkax.train import TrainState, cross_entropy, make_train_step
 
     rng = np.random.default_rng(seed)
     shape, init_fn, apply_fn = {
-        "lenet": ((32, 32, 1), nets.lenet5_init, nets.lenet5_apply),
-        "mlp": ((1024,), nets.mlp_init, nets.mlp_apply),
-    }[name]
+        "lenet": lambda: ((32, 32, 1), nets.lenet5_init, nets.lenet5_apply),
+        "flax": lambda: ((32, 32, 1), *flax_lenet5()),
+        "mlp": lambda: ((1024,), nets.mlp_init, nets.mlp_apply),
+    }[name]()
     batches = [
         {
             "image": rng.normal(size=(batch_size, *shape)).astype(np.float32),

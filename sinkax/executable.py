@@ -5,14 +5,19 @@ a window of ``steps`` consecutive batches of it, starting at a dynamic ``offset`
 calls can share one chunk and one transfer). Two programs run a step function
 ``fn(state, batch) -> (state, out)`` over such a window:
 
-* :func:`scan_program` -- every step of the window in one executable (``lax.scan``); its
-  compile time does not depend on ``steps``;
+* :func:`window_program` -- ``n`` steps in one executable (a loop of dynamic trip count), each
+  reading batch ``i`` of the chunk and writing its output into row ``j`` of a stacked buffer
+  carried along; its compile time does not depend on ``steps``. :func:`scan_program` is one
+  whole window of it;
 * :func:`single_step_program` -- one step on one batch (not a chunk), its output given a
   leading axis of one: a one-step call on a batch handed over as it is;
 * :func:`step_program` -- one step, reading batch ``i`` of the chunk and writing its output into
   row ``j`` of a preallocated stacked buffer; a host loop dispatches it once per step, with no
   host-side data work. XLA:CPU optimises some step functions better outside a loop body (see
-  ``sinkax.strategy``).
+  ``sinkax.strategy`` and ``sinkax.rewrite``).
+
+The two share the carry ``(state, outs, i, j)``, so a window can be run partly by one and partly
+by the other: what ``"auto"`` does while it measures.
 
 :class:`Compiler` compiles them ahead of time (``jit(...).lower(...).compile()``) with the state
 donated, caches one executable per (step function, program, window length, argument layout) --
@@ -46,12 +51,37 @@ from sinkax.pytree import Static, partition
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
 
 
-def scan_program(fn: StepFn, steps: int, unroll: int = 1) -> Callable[..., tuple[Any, Any]]:
-    """``(state, chunk, offset) -> (state, outs)``: steps ``offset .. offset+steps`` in a loop."""
+def window_program(fn: StepFn) -> Callable[..., Any]:
+    """``((state, outs, i, j), chunk, n) -> carry``: :func:`step_program`'s step ``n`` times in a
+    loop -- batches ``i .. i+n`` into rows ``j .. j+n`` -- for any ``n`` (a dynamic trip count):
+    one executable runs a whole window, or any part of it."""
+    step = step_program(fn)
+
+    def run(carry: tuple[Any, ...], chunk: Any, n: jax.Array) -> tuple[Any, ...]:
+        return lax.fori_loop(0, n, lambda _, c: step(c, chunk), carry)
+
+    return run
+
+
+def out_shape(fn: StepFn, state: Any, chunk: Any) -> Any:
+    """The abstract output of one step of ``fn`` on a batch of ``chunk``."""
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)
+    return jax.eval_shape(fn, state, batch)[1]
+
+
+def empty_outs(out: Any, steps: int, zeros: Callable[..., Any] = jnp.zeros) -> Any:
+    """``zeros`` for ``steps`` stacked outputs ``out`` (see :func:`out_shape`): the buffer a
+    window fills."""
+    return jax.tree.map(lambda o: zeros((steps, *o.shape), o.dtype), out)
+
+
+def scan_program(fn: StepFn, steps: int) -> Callable[..., tuple[Any, Any]]:
+    """``(state, chunk, offset) -> (state, outs)``: steps ``offset .. offset+steps`` in a loop,
+    the :func:`window_program` of one whole window."""
 
     def run(state: Any, chunk: Any, offset: jax.Array) -> tuple[Any, Any]:
-        window = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, offset, steps), chunk)
-        return lax.scan(fn, state, window, unroll=unroll)
+        carry = (state, empty_outs(out_shape(fn, state, chunk), steps), offset, jnp.int32(0))
+        return window_program(fn)(carry, chunk, steps)[:2]
 
     return run
 

@@ -1,12 +1,9 @@
 """Small reference networks (LeNet5, MLP) as pure functions over pytrees of dicts.
 
-The convolutions are written as im2col (static slices + concatenate) followed by a matmul,
-not as ``lax.conv_general_dilated``. Reason: XLA:CPU's ``ConvCanonicalization`` pass only
-rewrites convolutions of the *entry* computation into the NHWC/HWIO form its fast conv
-kernels (Eigen/YNNPACK) accept. The weight-gradient convs that autodiff emits
-(``dim_labels=f01b_i01o->01bf``) are therefore fast in a standalone jitted step but stay
-generic, naive loop-emitted convolutions inside a ``lax.scan`` while-body (~3x slower).
-The im2col form lowers to slices and dots only, which are fast in both places.
+The convolutions are plain ``lax.conv_general_dilated`` (NHWC input, HWIO kernel), as flax
+``nn.Conv`` writes them. In a sink on CPU they run on XLA's fast kernels inside the loop body
+too: the ``"scan"`` strategy puts every convolution of the step -- the weight gradients autodiff
+emits included -- into XLA:CPU's canonical layout first (:mod:`sinkax.rewrite`).
 """
 
 from __future__ import annotations
@@ -51,21 +48,17 @@ def _dense_spec(layer: str, n_in: int, n_out: int) -> tuple[tuple[str, str, tupl
     return ((layer, "w", (n_in, n_out)), (layer, "b", (n_out,)))
 
 
-def conv2d_valid(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Stride-1 VALID 2-D convolution of NHWC ``x`` with HWIO ``w`` via im2col + matmul.
+_NHWC = ("NHWC", "HWIO", "NHWC")
 
-    Same function as ``lax.conv_general_dilated(x, w, (1, 1), "VALID",
-    dimension_numbers=("NHWC", "HWIO", "NHWC"))`` up to float32 summation order.
+
+def conv2d_valid(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Stride-1 VALID 2-D convolution of NHWC ``x`` with HWIO ``w``.
 
     >>> x = jnp.ones((2, 6, 6, 3)); w = jnp.ones((3, 3, 3, 4))
     >>> conv2d_valid(x, w).shape
     (2, 4, 4, 4)
     """
-    kh, kw, c_in, c_out = w.shape
-    oh, ow = x.shape[1] - kh + 1, x.shape[2] - kw + 1
-    cols = [x[:, i : i + oh, j : j + ow, :] for i in range(kh) for j in range(kw)]
-    patches = jnp.concatenate(cols, axis=-1)  # feature order (kh, kw, c_in) = HWIO order
-    return patches @ w.reshape(kh * kw * c_in, c_out)
+    return lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=_NHWC)
 
 
 def _maxpool2(x: jax.Array) -> jax.Array:
@@ -89,19 +82,15 @@ def lenet5_init(key: jax.Array, num_classes: int = 10) -> Params:
     return _init_tree(key, spec)
 
 
-def lenet5_apply(params: Params, x: jax.Array, conv: Any = conv2d_valid) -> jax.Array:
+def lenet5_apply(params: Params, x: jax.Array) -> jax.Array:
     """Logits of LeNet5 for float32 NHWC images ``x`` of shape (batch, 32, 32, 1).
-
-    ``conv(x, w)`` is the stride-1 VALID convolution (NHWC, HWIO): im2col by default; a
-    ``lax.conv_general_dilated`` one computes the same, slower inside a scan on CPU
-    (``benchmarks/conv_in_scan.py``).
 
     >>> p = lenet5_init(jax.random.PRNGKey(0))
     >>> lenet5_apply(p, jnp.zeros((4, 32, 32, 1))).shape
     (4, 10)
     """
-    x = _maxpool2(jax.nn.relu(conv(x, params["conv1"]["w"])))
-    x = _maxpool2(jax.nn.relu(conv(x, params["conv2"]["w"])))
+    x = _maxpool2(jax.nn.relu(conv2d_valid(x, params["conv1"]["w"])))
+    x = _maxpool2(jax.nn.relu(conv2d_valid(x, params["conv2"]["w"])))
     x = x.reshape(x.shape[0], -1)  # NHWC flatten order (5, 5, 16)
     x = jax.nn.relu(x @ params["fc1"]["w"] + params["fc1"]["b"])
     x = jax.nn.relu(x @ params["fc2"]["w"] + params["fc2"]["b"])

@@ -158,6 +158,8 @@ def check_data_state(source: Source, data_state: Any) -> None:
             "data_state must be what Sink.data_state() returned, a dict with 'epoch', 'step' "
             f"and 'source'; got {data_state!r:.200}."
         )
+    if "strategy" in data_state:
+        strategies.check_recorded(data_state["strategy"])
     try:
         source.check_state(data_state["source"])
     except ValueError as error:
@@ -242,14 +244,18 @@ class Sink:
                 f"{type(dataset).__name__} has no len(). Pass sink_size > 0 (steps per call) or a "
                 "sized dataset (a grain MapDataset, a list)."
             )
+        recorded = data_state.get("strategy") if isinstance(data_state, dict) else None
         try:
-            self._strategy_name = strategies.resolve(
-                strategy,
-                jit=self.jit,
-                steps_per_call=self.steps_per_call,
-                backend=backend_of(self.sharding),
-                devices=placement.devices(self.sharding),
-                processes=jax.process_count(),
+            self._strategy_name = strategies.pinned(  # what "auto" would measure
+                strategies.resolve(
+                    strategy,
+                    jit=self.jit,
+                    steps_per_call=self.steps_per_call,
+                    backend=backend_of(self.sharding),
+                    devices=placement.devices(self.sharding),
+                    processes=jax.process_count(),
+                ),
+                recorded,
             )
             self._peers = distributed.Peers.of(
                 self.sharding,
@@ -264,6 +270,7 @@ class Sink:
         self._compiler = Compiler(fn, save_graphs=save_graphs or context.graphs_folder())
         self._strategy: Any = None
         self._step: Any = None  # the step function the strategy runs
+        self._reselect = False  # measure at the next call, see reselect()
         self._stateful: bool | None = None
         self._in_flight: tuple[Any, Any] | None = None
         self._chunk: Chunk | None = None  # being consumed, piece by piece
@@ -313,12 +320,31 @@ class Sink:
         )
 
     def data_state(self) -> dict[str, Any]:
-        """Where the next call starts reading: ``{"epoch", "step", "source"}``, JSON-friendly.
+        """Where the next call starts reading: ``{"epoch", "step", "source"}``, JSON-friendly,
+        and, once known, the ``"strategy"`` that ran (``"scan"`` or ``"loop"``).
 
         Pass it to :meth:`restore_data_state` (or ``data_sink(..., data_state=...)``) to continue
-        with exactly the next batch, none repeated and none skipped.
+        with exactly the next batch, none repeated and none skipped -- and, where ``"auto"``
+        would choose, with the same strategy, so that a resumed run computes what the
+        uninterrupted one did, bit for bit.
         """
-        return dict(self._committed)
+        name = getattr(self._strategy, "name", None)
+        return {**self._committed, **({"strategy": name} if name in strategies.RECORDED else {})}
+
+    def reselect(self) -> None:
+        """Let ``"auto"`` measure its candidates again at the next call (e.g. after the machine's
+        load changed) instead of reusing the choice made for this step function before; the new
+        choice replaces it."""
+        if self._strategy_name != "auto":
+            raise ValueError(
+                f"This sink's strategy is {self._strategy_name!r}, not chosen by measuring: "
+                "reselect() applies to strategy='auto' (not pinned by strategy=, "
+                f"{strategies.ENV} or a data_state's 'strategy')."
+            )
+        if self._strategy is None:
+            self._reselect = True  # applied once the first call made the strategy
+        else:
+            self._strategy.reselect()
 
     def restore_data_state(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
@@ -339,6 +365,11 @@ class Sink:
             raise
         self._committed = snapshot(self._source)
         self._resync = False
+        if "strategy" in state:  # what "auto" would measure, the saved run chose
+            if isinstance(self._strategy, strategies.Auto):
+                self._strategy.pin(state["strategy"])
+            elif self._strategy is None and self._strategy_name == "auto":
+                self._strategy_name = state["strategy"]
         self._start_ring()
 
     @property
@@ -372,6 +403,8 @@ class Sink:
                 self._compiler.specialise(static.key)
             self._step = fn
             self._strategy = strategies.make(self._strategy_name, fn, self._compiler)
+            if self._reselect:
+                self._strategy.reselect()
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")
@@ -551,7 +584,8 @@ class Sink:
         else:
             state, static = partition(state)
             fn = self.fn if static is None else with_static(self.fn, static)
-        return Compiler.lower(scan_program(fn, steps), state, spec.stacked(steps), 0)
+        program = scan_program(strategies.loop_body(fn, placement.platform(self.sharding)), steps)
+        return Compiler.lower(program, state, spec.stacked(steps), 0)
 
     @property
     def stats(self) -> SinkStats:
@@ -606,8 +640,10 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         With ``sink_size > 0`` the data is traversed endlessly.
       jit: ``True`` compiles (GRAPH mode), ``False`` runs eagerly (PYNATIVE, for debugging);
         default from :func:`sinkax.set_context`.
-      strategy: ``"auto"`` (measure, keep the faster), ``"scan"``, ``"loop"``, or for
-        ``sink_size=1`` ``"step"`` (see :mod:`sinkax.strategy`).
+      strategy: ``"auto"`` (measure in the first call, keep the faster), ``"scan"``, ``"loop"``,
+        or for ``sink_size=1`` ``"step"`` (see :mod:`sinkax.strategy`). The environment
+        variable ``SINKAX_STRATEGY`` (``scan`` / ``loop``) pins what ``"auto"`` runs, and so
+        does a ``data_state`` that recorded one.
       prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.

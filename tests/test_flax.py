@@ -86,6 +86,7 @@ def test_linen_batch_stats_are_model_state_and_adamw_leaves_them_alone():
 def losses_of(apply, params, model_state, key, steps=4):
     """Per-step losses of `steps` steps on one batch with lr 0: only dropout changes them."""
     optimizer = optax.sgd(0.0)
+    params, model_state = jax.tree.map(jnp.copy, (params, model_state))  # the sink donates them
     state = TrainState.create(params, optimizer, model_state=model_state, rng=key)
     step = make_train_step(apply, cross_entropy, optimizer)
     with sinkax.data_sink(step, [batches()[0]], sink_size=steps) as sink:

@@ -427,6 +427,19 @@ def test_resume_continues_with_exactly_the_next_batch(tmp_path):
     assert_trees_equal(resumed.state, uninterrupted.state)
 
 
+def test_resume_continues_with_the_strategy_auto_chose(tmp_path, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided within the first epoch
+    checkpoint = ModelCheckpoint(tmp_path, keep_last=1)
+    first = new_model(sink_options={}).train(2, blobs(4), callbacks=checkpoint, sink_size=3)
+    chosen = first.sink_stats.strategy
+    meta = new_model().restore(tmp_path)
+    assert meta["data_state"]["strategy"] == chosen
+    other = {"scan": "loop", "loop": "scan"}[chosen]
+    monkeypatch.setenv("SINKAX_STRATEGY", other)  # the recorded choice wins over this
+    resumed = new_model(sink_options={}).train(4, blobs(4), sink_size=3, resume_from=tmp_path)
+    assert resumed.sink_stats.strategy == chosen and resumed.sink_stats.strategy_timings == {}
+
+
 def test_resume_in_a_fresh_process(tmp_path):
     dataset = shuffled_blobs(10)
     uninterrupted = new_model(**SCAN)

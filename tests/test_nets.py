@@ -1,4 +1,4 @@
-"""Tests for sinkax.nets: shapes, equivalence with plain lax.conv, and trainability."""
+"""Tests for sinkax.nets: shapes and trainability (the convolutions' rewrite: test_rewrite.py)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,6 @@ import optax
 from jax import lax
 
 from sinkax import nets
-
-_DN = ("NHWC", "HWIO", "NHWC")
-
-
-def _ref_conv(x: jax.Array, w: jax.Array) -> jax.Array:
-    return lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=_DN)
-
-
-def _ref_pool(x: jax.Array) -> jax.Array:
-    return lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
-
-
-def _ref_lenet5(p: nets.Params, x: jax.Array) -> jax.Array:
-    x = _ref_pool(jax.nn.relu(_ref_conv(x, p["conv1"]["w"])))
-    x = _ref_pool(jax.nn.relu(_ref_conv(x, p["conv2"]["w"])))
-    x = x.reshape(x.shape[0], -1)
-    x = jax.nn.relu(x @ p["fc1"]["w"] + p["fc1"]["b"])
-    x = jax.nn.relu(x @ p["fc2"]["w"] + p["fc2"]["b"])
-    return x @ p["fc3"]["w"] + p["fc3"]["b"]
 
 
 def _batch(n: int = 8, seed: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -51,32 +32,6 @@ def test_shapes() -> None:
     for shape in [(3, 1024), (3, 32, 32, 1)]:
         x = jax.ShapeDtypeStruct(shape, jnp.float32)
         assert jax.eval_shape(nets.mlp_apply, m, x).shape == (3, 10)
-
-
-def test_conv2d_valid_matches_lax() -> None:
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((2, 14, 14, 6), dtype=np.float32))
-    w = jnp.asarray(rng.standard_normal((5, 5, 6, 16), dtype=np.float32))
-    np.testing.assert_allclose(nets.conv2d_valid(x, w), _ref_conv(x, w), rtol=1e-4, atol=1e-4)
-
-
-def test_lenet5_forward_and_grad_match_lax_conv() -> None:
-    # Larger-than-default init so activations and gradients are far from zero.
-    p = nets.lenet5_init(jax.random.PRNGKey(1))
-    x, y = _batch(4)
-
-    def logits_and_grad(apply):
-        def loss(q):
-            logits = apply(jax.tree.map(lambda a: 10.0 * a, q), x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
-
-        g, logits = jax.jit(jax.grad(loss, has_aux=True))(p)
-        return g, logits
-
-    (g, out), (g_ref, out_ref) = logits_and_grad(nets.lenet5_apply), logits_and_grad(_ref_lenet5)
-    np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_lenet5_loss_decreases_with_sgd() -> None:

@@ -141,12 +141,14 @@ def test_a_sink_is_one_launch_per_call_and_one_transfer_per_chunk(
     sink.close()  # the producer stops: no transfer after the snapshot below
     stats, counted = sink.stats, pjrt.interactions() - before
     chunks, steps = stats.chunks_transferred, calls * sink_size
-    if strategy == "scan":  # one program per call; its start offset is one scalar argument
+    # a call's start: the output buffer (one leaf: the loss), batch and row index, and for
+    # the scan its trip count
+    if strategy == "scan":  # one program per call
         assert counted.launches == calls
-        assert counted.h2d == chunks * BATCH_LEAVES + calls
-    else:  # one program per step, plus one that stacks the call's outputs; the loop's start
-        assert counted.launches == steps + calls  # (outputs, offset, counter) is 3 leaves
-        assert counted.h2d == chunks * BATCH_LEAVES + 3 * calls
+        assert counted.h2d == chunks * BATCH_LEAVES + (1 + 3) * calls
+    else:  # one program per step
+        assert counted.launches == steps
+        assert counted.h2d == chunks * BATCH_LEAVES + (1 + 2) * calls
     assert counted.d2h == 0 and stats.interactions == sink.stats.interactions
 
 

@@ -6,6 +6,7 @@ import functools
 import gc
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -637,65 +638,143 @@ def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
     assert run_sink(batches, 4, 2, step=step, strategy="scan")[2].compiles == 1
 
 
-def test_strategy_choice_is_recorded(batches, monkeypatch):
-    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 0.01)  # tiny steps: short trials
-    with sinkax.data_sink(functools.partial(train_step), batches, 5) as sink:
+def test_auto_decides_inside_the_first_call(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # trials of one step: 12 are enough
+    with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
         state = init_state()
         assert sink.stats.strategy == "auto"
         state, _ = sink(state)
-        assert sink.stats.strategy == "auto (measuring)"
-        while sink.stats.strategy.startswith("auto") and sink.stats.calls < 10_000:
-            state, _ = sink(state)
-        before = sink.stats.dispatches
+        decided = sink.stats
+        before = decided.dispatches
         state, _ = sink(state)
         stats = sink.stats
-    assert stats.dispatches - before == {"scan": 1, "loop": 5}[stats.strategy]
-    assert stats.strategy in ("scan", "loop")
-    assert set(stats.strategy_timings) == {"scan", "loop"}
-    assert stats.compiles == 2 and stats.steps == 5 * stats.calls
+    assert decided.strategy in ("scan", "loop")
+    assert set(decided.strategy_timings) == {"scan", "loop"}
+    assert stats.dispatches - before == {"scan": 1, "loop": 12}[stats.strategy]
+    assert stats.compiles == 2 and stats.steps == 24  # one executable each, for any window
     assert stats.bound in ("input", "compute")
     assert run_sink(batches, 5, 2, strategy="loop")[2].dispatches == 10
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
 
 
+def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
+    with sinkax.data_sink(functools.partial(train_step), batches, 4) as sink:
+        state, _ = sink(init_state())  # 2 warm-up steps, 1 timed step, 1 step of a trial
+        assert sink.stats.strategy == "auto (measuring)"
+        while sink.stats.strategy.startswith("auto") and sink.stats.calls < 10_000:
+            state, _ = sink(state)
+        stats = sink.stats
+    assert stats.strategy in ("scan", "loop") and stats.calls > 1
+    assert set(stats.strategy_timings) == {"scan", "loop"}
+
+
+def test_auto_reuses_the_decision_for_the_step_until_reselect(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided in the first call
+    step = functools.partial(train_step)
+    with sinkax.data_sink(step, batches, 12) as first:
+        first(init_state())
+        chosen = first.stats.strategy
+    with sinkax.data_sink(step, batches, 12) as second:
+        state, _ = second(init_state())
+        assert second.stats.strategy == chosen and second.stats.strategy_timings == {}
+        second.reselect()
+        assert second.stats.strategy == "auto (measuring)"
+        second(state)
+        assert set(second.stats.strategy_timings) == {"scan", "loop"}
+    with sinkax.data_sink(step, batches, 12) as third:
+        third.reselect()  # before the first call: measures in it
+        third(init_state())
+        assert set(third.stats.strategy_timings) == {"scan", "loop"}
+    with (
+        sinkax.data_sink(step, batches, 12, strategy="scan") as pinned,
+        pytest.raises(ValueError, match="reselect"),
+    ):
+        pinned.reselect()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "scan", "loop"])
+def test_the_callers_state_is_donated_alike_while_measuring_and_after(batches, strategy):
+    state = init_state()
+    with sinkax.data_sink(functools.partial(train_step), batches, 12, strategy=strategy) as sink:
+        for _ in range(2):
+            given = state
+            state, _ = sink(given)
+            assert all(x.is_deleted() for x in jax.tree.leaves(given))
+
+
+def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided in the first call
+    with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
+        assert "strategy" not in sink.data_state()  # not known before the first call
+        sink(init_state())
+        saved = json.loads(json.dumps(sink.data_state()))
+    assert saved["strategy"] == sink.stats.strategy
+    for recorded in ("scan", "loop"):
+        data_state = {**saved, "strategy": recorded}
+        with sinkax.data_sink(train_step, batches, 12, data_state=data_state) as resumed:
+            assert resumed.stats.strategy == recorded  # not measured again
+    with sinkax.data_sink(functools.partial(train_step), batches, 12) as restored:
+        restored.restore_data_state({**saved, "strategy": "loop"})
+        with pytest.raises(ValueError, match=r"data_state\['strategy'\] must be one of"):
+            restored.restore_data_state({**saved, "strategy": "fast"})
+        restored(init_state())
+        assert restored.stats.strategy == "loop" and restored.stats.strategy_timings == {}
+    monkeypatch.setenv("SINKAX_STRATEGY", "loop")
+    with sinkax.data_sink(train_step, batches, 12) as pinned:
+        assert pinned.stats.strategy == "loop"
+    with sinkax.data_sink(train_step, batches, 12, strategy="scan") as explicit:
+        assert explicit.stats.strategy == "scan"
+    monkeypatch.setenv("SINKAX_STRATEGY", "fast")
+    with pytest.raises(ValueError, match="SINKAX_STRATEGY='fast'"):
+        sinkax.data_sink(train_step, batches, 12)
+
+
 class _Timed:
-    """A strategy candidate whose calls take ``costs[i]`` seconds per step on a fake clock."""
+    """A candidate whose windows take ``costs[i]`` seconds per step on a fake clock."""
+
+    atomic = True
 
     def __init__(self, name, costs, clock):
-        self.name, self.atomic, self._costs, self._clock = name, True, iter(costs), clock
+        self.name, self._costs, self._clock = name, iter(costs), clock
 
     def dispatches(self, steps):
         return 1
 
-    def prepare(self, state, chunk, offset, steps):
-        pass
-
-    def run(self, state, chunk, offset, steps):
-        self._clock.now += next(self._costs) * steps
+    def start(self, state, chunk, offset, steps):
         return state, None
+
+    def executable(self, carry, chunk, steps):
+        return None
+
+    def advance(self, executable, carry, chunk, n):
+        self._clock.now += next(self._costs) * n
+        return carry
 
 
 @pytest.mark.parametrize(
-    ("scan_costs", "loop_costs", "chosen", "trials_run"),
+    ("scan_trials", "loop_trials", "chosen", "trials_run"),
     [
-        ([1, 1, 1], [2, 2], "scan", 3),  # scan clearly faster: stops after A, B
-        ([1, 4, 1, 1], [2, 2, 2], "scan", 5),  # a slow spell in scan's first trial: not decided
-        ([1, 3, 3, 3], [1, 1, 1], "loop", 5),  # loop faster in both rounds
-        ([1, 1.05, 1.05], [1, 1], "scan", 5),  # loop barely faster: the loop sink proper is kept
+        ([1], [2], "scan", 2),  # scan clearly faster: stops after A, B
+        ([4, 1], [2], "scan", 3),  # a slow spell in scan's first trial: not decided
+        ([3, 3], [1], "loop", 3),  # loop faster than scan's best trial
+        ([3, 1.05], [1], "scan", 3),  # loop barely faster: the loop sink proper is kept
     ],
 )
-def test_auto_keeps_scan_unless_loop_is_faster_in_both_rounds(
-    monkeypatch, scan_costs, loop_costs, chosen, trials_run
+def test_auto_keeps_scan_unless_loop_beats_its_best_trial(
+    monkeypatch, scan_trials, loop_trials, chosen, trials_run
 ):
-    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 1.0)  # one call of one step per trial
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 10)  # 10 steps of cost 1 a trial
     clock = types.SimpleNamespace(now=0.0)
-    scan, loop = _Timed("scan", scan_costs, clock), _Timed("loop", loop_costs, clock)
-    auto = sinkax.strategy.Auto([scan, loop], clock=lambda: clock.now)
-    calls = 0
-    while auto.chosen is None:
-        auto.run(None, None, 0, 1)
-        calls += 1
-    assert (auto.chosen.name, calls) == (chosen, trials_run)
+    rest = [1] * 10  # steps after the decision
+    scan = _Timed("scan", [1, 1, *scan_trials, *rest], clock)  # warm-up, timed step, trials
+    loop = _Timed("loop", [1, *loop_trials, *rest], clock)
+    compiler = sinkax.executable.Compiler(None, "fake")
+    auto = sinkax.strategy.Auto([scan, loop], compiler, clock=lambda: clock.now)
+    auto.run(None, jnp.zeros(43), 0, 43)  # 3 steps before the trials, then 3 x 10
+    assert auto.chosen.name == chosen
+    assert sum(map(math.isfinite, auto.timings.values())) == 2
+    assert next(scan._costs) == next(loop._costs) == 1  # every trial ran, none twice
+    assert trials_run == 3 - len(auto._pending)
 
 
 def test_auto_runs_one_step_calls_on_the_batches_as_given_on_cpu(batches):
@@ -761,7 +840,7 @@ def test_a_state_of_python_numbers_takes_the_dtypes_the_step_gives_it(
     batches, monkeypatch, sink_size, strategy
 ):
     # the rule of lax.scan's carry; resets fall mid-chunk, as an eval sum's would
-    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 0.0)  # auto: scan and loop both run
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # auto: scan and loop both run
     eager = _totals(batches, sink_size, jit=False)
     np.testing.assert_allclose(_totals(batches, sink_size, strategy=strategy), eager, atol=1e-4)
 

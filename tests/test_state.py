@@ -26,7 +26,7 @@ STRATEGIES = {
 
 @pytest.fixture(params=list(STRATEGIES))
 def sink_options(request, monkeypatch):
-    monkeypatch.setattr(sinkax.strategy, "MIN_TRIAL_S", 0.0)  # auto: every call is a trial
+    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # auto: one-step trials of each
     return STRATEGIES[request.param]
 
 

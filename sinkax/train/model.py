@@ -120,6 +120,8 @@ class Model:
             self.state = TrainState.create(
                 params, optimizer, opt_state, model_state=model_state, rng=rng
             )
+        # committed to its device, as every state a run returns: copying one compiles once
+        self.state = jax.device_put(self.state, context.default_device())
         self._eval_step = make_eval_step(apply_fn, loss_fn, metrics=metrics, **keys)
         # one bound method for every eval: compiled executables are cached by step function
         self._eval_and_count = self._eval_and_count
