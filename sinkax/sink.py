@@ -267,15 +267,16 @@ class Sink:
 
     # -- data channel --------------------------------------------------------------------
     def _start_ring(self) -> None:
-        self._ring = DeviceRing(
-            self._source,
-            # the plan holds no reference to the sink: an unclosed sink can still be collected
-            functools.partial(plan, self.sink_size, self.epoch_length, self.max_chunk_bytes),
-            prefetch=self.prefetch,
-            device=self.device,
-            stack=strategies.takes_stacked_chunks(self._strategy_name),
-        )
-        self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
+        with interrupt.held():  # a producer started is a producer recorded (and closed)
+            self._ring = DeviceRing(
+                self._source,
+                # the plan holds no reference to the sink: an unclosed sink can still be collected
+                functools.partial(plan, self.sink_size, self.epoch_length, self.max_chunk_bytes),
+                prefetch=self.prefetch,
+                device=self.device,
+                stack=strategies.takes_stacked_chunks(self._strategy_name),
+            )
+            self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
 
     def _stop_ring(self) -> bool:
         """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
@@ -301,10 +302,32 @@ class Sink:
         return dict(self._committed)
 
     def restore_data_state(self, state: dict[str, Any]) -> None:
-        """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
-        self._check_open()
+        """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks.
+
+        Refused (``RuntimeError``) while a call runs, from another thread. If interrupted, the
+        next call finishes the rewind, to :meth:`data_state` as it then reads.
+        """
+        if self._running:
+            raise self._busy()
+        self._running = True
+        try:
+            self._check_open()
+            self._rewind(state)
+        finally:
+            self._running = False
+
+    @staticmethod
+    def _busy() -> RuntimeError:
+        return RuntimeError(
+            "This sink is already running a call, from another thread (or restoring its data "
+            "state). A sink runs one at a time, as each moves its data position: give each "
+            "thread its own sink, or let them take turns (a threading.Lock around the calls)."
+        )
+
+    def _rewind(self, state: dict[str, Any]) -> None:
         check_data_state(self._source, state)  # before the producer stops: a one-shot
         # iterator's producer cannot be restarted where it was
+        self._resync = True  # until a producer runs from `_committed` again
         if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
             raise SinkTimeoutError(
                 self._stuck_producer("rewinding the data")
@@ -316,10 +339,11 @@ class Sink:
             with contextlib.suppress(Exception):
                 self._source.set_state(self._committed["source"])
             self._start_ring()
+            self._resync = False
             raise
         self._committed = snapshot(self._source)
-        self._resync = False
         self._start_ring()
+        self._resync = False
 
     @property
     def epoch(self) -> int:
@@ -380,12 +404,13 @@ class Sink:
         produced = f"{ring.batches / ring.busy_s:.1f} batches/s" if ring.busy_s else "n/a"
         consumed = f"{self._steps / self._busy_s:.1f} steps/s" if self._busy_s else "n/a"
         return (
-            f"No data reached the sink within {self.timeout:.1f} s (waiting for epoch "
-            f"{self.epoch}, step {self.step}). The producer has delivered {ring.batches} batches "
-            f"at {produced}; the sink consumes {consumed}. The input pipeline is too slow or "
-            "stuck: speed it up (grain ReadOptions(num_threads=...), batch before heavy "
-            "transforms, vectorise them), raise `timeout=` if slow batches are expected, or "
-            "iterate the dataset directly (or dataset_sink_mode=False) to find the slow sample."
+            f"The input pipeline delivered no batch for {self.timeout:.1f} s while the sink "
+            f"waited for data (epoch {self.epoch}, step {self.step}). So far it has delivered "
+            f"{ring.batches} batches, at {produced}; the sink consumes {consumed}. The pipeline "
+            "is stuck or very slow per batch: speed it up (grain ReadOptions(num_threads=...), "
+            "batch before heavy transforms, vectorise them), raise `timeout=` if single batches "
+            "can take that long, or iterate the dataset directly (or dataset_sink_mode=False) "
+            "to find the slow sample."
         )
 
     def __call__(self, state: Any = _NO_STATE) -> Any:
@@ -399,11 +424,7 @@ class Sink:
         stops before anything runs.
         """
         if self._running:  # a load and a store, no call between: no other thread runs in between
-            raise RuntimeError(
-                "This sink is already running a call, from another thread. A sink runs one call "
-                "at a time, as each call moves its data position: give each thread its own "
-                "sink, or let them take turns (a threading.Lock around the calls)."
-            )
+            raise self._busy()
         self._running = True
         parts: list[Any] = []
         guarded = False  # whether this call holds Ctrl-C (main thread only): it clears it
@@ -412,8 +433,8 @@ class Sink:
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
             stateful = state is not _NO_STATE
             run = self._strategy_for(stateful)
-            if self._resync:  # an interrupted call consumed data it never delivered: rewind
-                self.restore_data_state(self._committed)
+            if self._resync:  # an interrupted call took data it never delivered: rewind
+                self._rewind(self._committed)
             carry = () if not stateful else self._on_device(state)
             t_call, wait_before = time.perf_counter(), self._data_wait_s
             while True:
@@ -450,7 +471,9 @@ class Sink:
             if guarded:
                 interrupt.GUARD.state = None
             if parts:  # data was consumed and not delivered: the next call rewinds
-                self._resync = not self._ring.failed
+                self._resync = True
+            if self._ring.failed:  # ... unless every call fails the same way
+                self._resync = False
             self._running = False
             raise
         # From here on nothing is called and nothing slow is freed, so no Ctrl-C is handled
@@ -487,9 +510,18 @@ class Sink:
     def _current_chunk(self) -> Chunk:
         """The chunk holding the next piece, taking the next one when this is used up."""
         if self._chunk is None or self._piece == len(self._chunk.pieces):
+            # Taking a chunk moves the ring: if anything interrupts this before the chunk is
+            # recorded, the next call rewinds to the committed position (nothing is lost).
+            self._resync = True
             self._finish_in_flight()  # frees the used-up chunk's slot
-            self._chunk = self._next_chunk()
+            try:
+                chunk = self._next_chunk()
+            except Exception:  # a timeout or the producer's error: nothing was taken
+                self._resync = False
+                raise
+            self._chunk = chunk
             self._piece = self._offset = 0
+            self._resync = False
         return self._chunk
 
     def lower(self, state: Any = _NO_STATE) -> jax.stages.Lowered:
@@ -531,10 +563,17 @@ class Sink:
             raise SinkClosedError("This sink is closed; create a new one with sinkax.data_sink.")
 
     def close(self) -> None:
-        """Stop the producer thread and free the device chunks. Idempotent."""
+        """Stop the producer thread and free the device chunks. Idempotent.
+
+        From another thread while a call waits for data, that call fails at once with
+        :class:`~sinkax.SinkClosedError` (its state stays valid).
+        """
         if not self._closed:
             self._closed = True
-            if not self._stop_ring():
+            if self._running:  # a call in another thread owns the chunks: wake it, leave them
+                self._finalizer.detach()
+                self._ring.close(self.timeout)
+            elif not self._stop_ring():
                 warnings.warn(self._stuck_producer("close()"), RuntimeWarning, stacklevel=2)
         interrupt.release()
 
@@ -562,7 +601,8 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         ``sink_size=1`` ``"step"`` (see :mod:`sinkax.strategy`).
       prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
-      timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.
+      timeout: seconds without a single new batch from the dataset before a waiting call
+        raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out).
       device: where data and compute go (default from the context).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the

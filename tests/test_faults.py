@@ -1,0 +1,130 @@
+"""Faults: Ctrl-C anywhere, timeouts, closing and restoring from another thread."""
+
+import contextlib
+import itertools
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_no_slot_leaked, collect_index, ctrl_c_at_check, indexed_map_dataset
+
+import sinkax
+
+BATCH = 2  # samples per batch of the indexed datasets: batch i holds samples 2i, 2i+1
+CHUNKS = {  # strategy, sink_size, max_chunk_bytes (a batch is 24 bytes)
+    "one-dispatch": ("scan", 4, 64 << 10),
+    "step": ("step", 1, 64 << 10),
+    "split-over-chunks": ("scan", 9, 4 * 24),
+    "dispatch-per-step": ("loop", 3, 64 << 10),
+}
+
+
+def batch_numbers(outs) -> list[int]:
+    return (np.asarray(outs).reshape(-1, BATCH)[:, 0] // BATCH).tolist()
+
+
+def calls_until(sink, state, n, numbers):
+    """Call ``sink`` until ``numbers`` holds ``n`` batches; a held Ctrl-C stops one call."""
+    while len(numbers) < n:
+        with contextlib.suppress(KeyboardInterrupt):
+            state, outs = sink(state)
+            numbers += batch_numbers(outs)
+    return state
+
+
+@pytest.mark.parametrize("case", CHUNKS, ids=list(CHUNKS))
+def test_ctrl_c_in_any_sinkax_frame_of_a_call_loses_and_leaks_nothing(case):
+    strategy, sink_size, max_chunk_bytes = CHUNKS[case]
+    dataset = indexed_map_dataset(4000, BATCH, seed=None)
+    options = {"strategy": strategy, "max_chunk_bytes": max_chunk_bytes, "prefetch": 1}
+    for k in itertools.count():
+        with sinkax.data_sink(collect_index, dataset, sink_size, **options) as sink:
+            state, outs = sink(jnp.int32(0))
+            numbers = batch_numbers(outs)
+            with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k) as checks:
+                state, outs = sink(state)
+                numbers += batch_numbers(outs)
+            state = calls_until(sink, state, 4 * sink_size, numbers)
+            assert numbers == list(range(len(numbers))), f"Ctrl-C at check {k}"
+            assert int(state) == len(numbers), f"Ctrl-C at check {k}: the state lost steps"
+            assert_no_slot_leaked(sink)
+        if next(checks) <= k:  # the call passed fewer checks: each one has had its Ctrl-C
+            break
+
+
+class Gated:
+    """Batches ``{"index": [2i, 2i+1]}``; reading batch ``gate_at`` waits for ``gate``, and every
+    batch takes ``delay`` seconds."""
+
+    def __init__(self, n, gate_at=None, delay=0.0):
+        self.n, self.gate_at, self.delay, self.gate = n, gate_at, delay, threading.Event()
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.gate_at:
+                assert self.gate.wait(30.0)
+            time.sleep(self.delay)
+            yield {"index": np.array([BATCH * i, BATCH * i + 1], np.int32)}
+
+
+def test_a_call_whose_batches_were_read_is_not_held_back_by_a_slow_batch_after_them():
+    data = Gated(100, gate_at=4)  # batch 4 blocks until the gate opens
+    with sinkax.data_sink(collect_index, data, 2, timeout=1.0) as sink:
+        state, first = sink(jnp.int32(0))
+        time.sleep(0.2)  # the producer reads batches 2-3 and blocks on 4
+        state, second = sink(state)  # needs batches 2-3 only
+        data.gate.set()
+        state, third = sink(state)
+    assert batch_numbers(first) + batch_numbers(second) + batch_numbers(third) == list(range(6))
+
+
+def test_a_slow_but_steady_pipeline_never_times_out():
+    data = Gated(30, delay=0.03)  # one epoch: ~0.9 s, a batch every 0.03 s
+    with sinkax.data_sink(collect_index, data, -1, timeout=0.3) as sink:
+        _, outs = sink(jnp.int32(0))
+    assert batch_numbers(outs) == list(range(30))
+
+
+def test_a_timeout_means_no_batch_for_timeout_seconds_and_says_what_arrived():
+    data = Gated(10, gate_at=5)
+    with sinkax.data_sink(collect_index, data, -1, timeout=0.3) as sink:
+        with pytest.raises(sinkax.SinkTimeoutError, match="delivered 5 batches"):
+            sink(jnp.int32(0))
+        data.gate.set()
+        _, outs = sink(jnp.int32(0))  # nothing lost: the call runs from batch 0
+    assert batch_numbers(outs) == list(range(10))
+
+
+def test_close_from_another_thread_fails_a_waiting_call_at_once():
+    data = Gated(100, gate_at=2)
+    sink = sinkax.data_sink(collect_index, data, 2, timeout=30.0)
+    state, _ = sink(jnp.int32(0))
+    threading.Timer(0.2, sink.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(sinkax.SinkClosedError):
+        sink(state)  # waits for batch 2 until the sink is closed
+    assert time.monotonic() - t0 < 10.0
+    data.gate.set()
+    sink.close()
+    np.testing.assert_array_equal(state, 2)  # the state passed in stays valid
+
+
+def test_restore_data_state_from_another_thread_during_a_call_is_refused():
+    data = Gated(100, gate_at=2)
+    with sinkax.data_sink(collect_index, data, 2, timeout=30.0) as sink:
+        state, _ = sink(jnp.int32(0))
+        position, results = sink.data_state(), []
+        worker = threading.Thread(target=lambda: results.append(sink(state)))
+        worker.start()
+        time.sleep(0.2)  # the worker's call waits for batch 2
+        with pytest.raises(RuntimeError, match="already running a call"):
+            sink.restore_data_state(position)
+        data.gate.set()
+        worker.join(30.0)
+        _, outs = results[0]
+        assert batch_numbers(outs) == [2, 3]
