@@ -128,3 +128,46 @@ def test_restore_data_state_from_another_thread_during_a_call_is_refused():
         worker.join(30.0)
         _, outs = results[0]
         assert batch_numbers(outs) == [2, 3]
+
+
+def test_ctrl_c_in_any_sinkax_frame_of_a_restore_leaves_a_working_sink_at_its_data_state():
+    dataset = indexed_map_dataset(4000, BATCH, seed=None)
+    for k in itertools.count():
+        with sinkax.data_sink(collect_index, dataset, 3, strategy="scan", prefetch=1) as sink:
+            state, _ = sink(jnp.int32(0))
+            saved = sink.data_state()  # batch 3 next
+            state, _ = sink(state)
+            with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k) as checks:
+                sink.restore_data_state(saved)
+            start = sink.data_state()["step"]
+            assert start in (3, 6), f"Ctrl-C at check {k}"
+            numbers = []
+            calls_until(sink, state, 6, numbers)
+            assert numbers == list(range(start, start + len(numbers))), f"Ctrl-C at check {k}"
+            assert_no_slot_leaked(sink)
+        if next(checks) <= k:
+            break
+
+
+def test_ctrl_c_in_any_sinkax_frame_of_non_sink_mode_skips_and_repeats_no_batch():
+    from sinkax.train import DatasetHelper, connect_network_with_dataset
+
+    data = [{"index": np.array([BATCH * i, BATCH * i + 1], np.int32)} for i in range(6)]
+    for k in itertools.count():
+        with DatasetHelper(data, dataset_sink_mode=False, epoch_num=100) as helper:
+            net = connect_network_with_dataset(collect_index, helper)
+            state, numbers = jnp.int32(0), []
+            with ctrl_c_at_check(k) as checks, contextlib.suppress(KeyboardInterrupt):
+                for _ in helper:
+                    state, outs = net(state)
+                    numbers += batch_numbers(outs)
+            while len(numbers) < 12:
+                with contextlib.suppress(KeyboardInterrupt):
+                    for _ in helper:
+                        state, outs = net(state)
+                        numbers += batch_numbers(outs)
+        expected = [i % 6 for i in range(len(numbers))]
+        assert numbers == expected, f"Ctrl-C at check {k}"
+        assert int(state) == len(numbers), f"Ctrl-C at check {k}"
+        if next(checks) <= k:
+            break

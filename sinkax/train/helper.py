@@ -192,6 +192,7 @@ class _HostFeed:
         self.pending: Any = _NO_STATE  # the batch handed out last
         self.pending_position = self.committed  # where the batch after it comes from
         self.stepped = True  # whether the network's step on `pending` has finished
+        self._reading = False  # a pull is under way: the source may be past `committed`
 
     @property
     def step(self) -> int:
@@ -203,9 +204,13 @@ class _HostFeed:
     def pull(self) -> Any:
         """The batch to step on next: a new one, or again the last if its step did not finish."""
         if self.stepped:
-            self.pending = next(self._source)
-            self.pending_position = snapshot(self._source)
-            self.stepped = False
+            if self._reading:  # a pull was interrupted after reading: read that batch again
+                move_to(self._source, self.committed)
+            self._reading = True
+            batch = next(self._source)
+            position = snapshot(self._source)
+            self.pending, self.pending_position, self.stepped = batch, position, False
+            self._reading = False  # (no call since the stores: no Ctrl-C in between)
         return self.pending
 
     def take(self) -> Any:
