@@ -558,3 +558,25 @@ def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):
         new_model().train(2, blobs(2), resume_from=tmp_path / "empty")
     with pytest.raises(ValueError, match="not both"):
         new_model().train(2, blobs(2), initial_epoch=1, resume_from=tmp_path)
+
+
+def test_a_nan_epoch_is_never_saved_as_the_latest_checkpoint(tmp_path):
+    data = blobs(4)
+    poisoned = [{"image": b["image"] * np.nan, "label": b["label"]} for b in data]
+    epochs = iter([data, data, poisoned, data])  # epoch 3 gives NaN, and ends: on_epoch_end
+
+    class ThirdEpochNaN:
+        def __len__(self):
+            return len(data)
+
+        def __iter__(self):
+            return iter(next(epochs))
+
+    checkpoint = ModelCheckpoint(tmp_path, keep_last=1, save_every_epochs=1)
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        run = new_model().train(4, ThirdEpochNaN(), [TerminateOnNaN(), checkpoint])
+    assert run.stop_requested and run.epoch == 3
+    assert sorted(os.listdir(tmp_path)) == ["8"]  # epoch 2's: keep_last=1 kept it
+    restored = new_model()
+    assert restored.restore(tmp_path)["epoch"] == 2
+    assert np.all(np.isfinite(restored.params["w"]))
