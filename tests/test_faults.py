@@ -2,9 +2,11 @@
 
 import contextlib
 import itertools
+import signal
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,3 +173,23 @@ def test_ctrl_c_in_any_sinkax_frame_of_non_sink_mode_skips_and_repeats_no_batch(
         assert int(state) == len(numbers), f"Ctrl-C at check {k}"
         if next(checks) <= k:
             break
+
+
+def test_a_ctrl_c_during_close_does_not_count_a_live_producer_as_ended():
+    from sinkax.channel.ring import DeviceRing
+    from sinkax.channel.source import as_source
+
+    data = Gated(100, gate_at=1)  # the producer blocks reading batch 1
+    ring = DeviceRing(
+        as_source(data),
+        lambda spec, pos: iter([[(4, True)]] * 100),
+        prefetch=1,
+        device=jax.devices("cpu")[0],
+    )
+    main = threading.main_thread().ident
+    threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        ring.close(timeout=10.0)  # waits for the blocked producer; Ctrl-C
+    assert not ring.close(timeout=0.1)  # the producer is still inside the dataset
+    data.gate.set()
+    assert ring.close(timeout=10.0)

@@ -175,6 +175,7 @@ class DeviceRing:
         )
         self._stop = threading.Event()
         self._spec_ready = threading.Event()
+        self._ended = threading.Event()  # (an interrupted Thread.join marks a live thread ended)
         self._consumer_waiting = False
         self.last_progress = time.monotonic()  # when the producer last read a batch
         self.spec: BatchSpec | None = None
@@ -189,7 +190,10 @@ class DeviceRing:
             try:
                 self._run_producer()
             finally:  # by the thread that reads it, also when close() stopped waiting for it
-                self._source.close()
+                try:
+                    self._source.close()
+                finally:
+                    self._ended.set()
 
     def _run_producer(self) -> None:
         try:
@@ -410,11 +414,11 @@ class DeviceRing:
         self._stop.set()
         self._ready.put(_Closed())  # wakes a waiting consumer now, not after the join
         if threading.current_thread() is not self._thread:  # (collected in its own thread)
-            self._thread.join(timeout)
+            self._ended.wait(timeout)
         while not self._ready.empty():
             self._ready.get_nowait()
         self._ready.put(_Closed())
-        return not self._thread.is_alive()
+        return self._ended.is_set()
 
 
 def _steps(layout: Layout) -> int:
