@@ -158,11 +158,24 @@ def check_data_state(source: Source, data_state: Any) -> None:
             f"This data_state does not fit the dataset: {error} Give what Sink.data_state() "
             "returned for a sink over the same dataset."
         ) from None
+    saved = data_state.get("epoch_length")
+    if saved is not None and saved != source.epoch_length:
+        raise _length_error(data_state, f"{saved} batches per epoch", source.epoch_length)
+
+
+def _length_error(data_state: dict[str, Any], saved: str, length: int | None) -> ValueError:
+    return ValueError(
+        f"This data_state was saved over a dataset of another epoch length ({saved}) than this "
+        f"one ({length} batches per epoch), at epoch {data_state['epoch']}, step "
+        f"{data_state['step']}: resuming would run partial epochs. Resume with the dataset and "
+        "batch size it was saved with, or start without it."
+    )
 
 
 def move_to(source: Source, data_state: Any) -> None:
     """Set ``source`` to a position saved by :meth:`Sink.data_state`; ``ValueError`` if it does
-    not fit."""
+    not fit, such as one saved over a dataset of another epoch length (the source is then left
+    where the state put it: restore it)."""
     check_data_state(source, data_state)
     try:
         source.set_state(data_state["source"])
@@ -171,6 +184,12 @@ def move_to(source: Source, data_state: Any) -> None:
             f"This data_state does not fit the dataset ({type(error).__name__}: {error}). Give "
             "what Sink.data_state() returned for a sink over the same dataset."
         ) from error
+    saved = Position(data_state["epoch"], data_state["step"])
+    length = source.epoch_length
+    if source.position != saved or (length is not None and saved.step >= length):
+        index = data_state["source"].get("next_index")  # a grain state implies its length
+        implied = (index - saved.step) // saved.epoch if saved.epoch and index else None
+        raise _length_error(data_state, f"{implied or 'unknown'} batches per epoch", length)
 
 
 def check_sink_size(sink_size: Any) -> int:
@@ -297,9 +316,12 @@ class Sink:
         """Where the next call starts reading: ``{"epoch", "step", "source"}``, JSON-friendly.
 
         Pass it to :meth:`restore_data_state` (or ``data_sink(..., data_state=...)``) to continue
-        with exactly the next batch, none repeated and none skipped.
+        with exactly the next batch, none repeated and none skipped. With a dataset of known
+        length it also holds ``"epoch_length"``: a resume onto another length is refused.
         """
-        return dict(self._committed)
+        if self.epoch_length is None:
+            return dict(self._committed)
+        return {**self._committed, "epoch_length": self.epoch_length}
 
     def restore_data_state(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks.

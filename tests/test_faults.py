@@ -193,3 +193,25 @@ def test_a_ctrl_c_during_close_does_not_count_a_live_producer_as_ended():
     assert not ring.close(timeout=0.1)  # the producer is still inside the dataset
     data.gate.set()
     assert ring.close(timeout=10.0)
+
+
+@pytest.mark.parametrize("kind", ["map", "list"])
+def test_resuming_onto_a_dataset_of_another_epoch_length_is_refused(kind):
+    def dataset(batch_size):  # 40 samples: 10 or 20 batches an epoch
+        data = indexed_map_dataset(40, batch_size, seed=None)
+        return data if kind == "map" else [data[i] for i in range(len(data))]
+
+    with sinkax.data_sink(collect_index, dataset(4), 5) as sink:
+        for _ in range(5):
+            sink(jnp.int32(0))
+        saved = sink.data_state()  # epoch 2, step 5
+    with pytest.raises(ValueError, match=r"another epoch length.*20 batches per epoch"):
+        sinkax.data_sink(collect_index, dataset(2), 5, data_state=saved)
+    with sinkax.data_sink(collect_index, dataset(2), 5) as sink:
+        position = sink.data_state()
+        old = {k: v for k, v in saved.items() if k != "epoch_length"}  # saved before it was kept
+        with pytest.raises(ValueError, match="another epoch length"):
+            sink.restore_data_state(dict(old, step=25) if kind == "list" else old)
+        assert sink.data_state() == position
+        _, outs = sink(jnp.int32(0))
+        assert batch_numbers(outs) == [0, 1, 2, 3, 4]  # the sink stayed where it was
