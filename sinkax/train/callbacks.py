@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import tempfile
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -378,6 +379,8 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, run: RunContext) -> None:
         try:  # before any training, not at the first save
             os.makedirs(self.directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.directory):  # an existing one may be read-only
+                pass
         except OSError as error:
             raise ValueError(
                 f"ModelCheckpoint cannot write to {self.directory} ({error.strerror}): give a "
