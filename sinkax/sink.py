@@ -115,10 +115,10 @@ def plan_chunks(
             if chunk:
                 yield chunk
                 chunk, filled = [], 0
-            full, rest = divmod(steps, max_steps)
-            parts = [max_steps] * full + ([rest] if rest else [])
-            for j, part in enumerate(parts):
-                yield [(part, j == len(parts) - 1)]
+            while steps > max_steps:  # lazily: a call may span more chunks than fit in memory
+                yield [(max_steps, False)]
+                steps -= max_steps
+            yield [(steps, True)]
             continue
         if filled + steps > max_steps:
             yield chunk
@@ -192,16 +192,20 @@ def move_to(source: Source, data_state: Any) -> None:
         raise _length_error(data_state, f"{implied or 'unknown'} batches per epoch", length)
 
 
+MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
+
+
 def check_sink_size(sink_size: Any) -> int:
-    """``sink_size`` as an int: steps per call (> 0), or -1; else a ``ValueError``."""
+    """``sink_size`` as an int: steps per call (1 to :data:`MAX_SINK_SIZE`), or -1; else a
+    ``ValueError``."""
     if (
         isinstance(sink_size, bool)
         or not isinstance(sink_size, numbers.Integral)
-        or not (sink_size > 0 or sink_size == -1)
+        or not (0 < sink_size <= MAX_SINK_SIZE or sink_size == -1)
     ):
         raise ValueError(
-            f"sink_size must be a positive int (steps per call) or -1 (one epoch per call), "
-            f"got {sink_size!r}."
+            f"sink_size must be a positive int (steps per call, at most {MAX_SINK_SIZE}: a "
+            f"call stacks every step's output) or -1 (one epoch per call), got {sink_size!r}."
         )
     return int(sink_size)
 

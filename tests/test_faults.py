@@ -215,3 +215,16 @@ def test_resuming_onto_a_dataset_of_another_epoch_length_is_refused(kind):
         assert sink.data_state() == position
         _, outs = sink(jnp.int32(0))
         assert batch_numbers(outs) == [0, 1, 2, 3, 4]  # the sink stayed where it was
+
+
+def test_a_call_longer_than_memory_allows_is_planned_lazily():
+    from sinkax.sink import plan_chunks
+
+    layouts = plan_chunks(itertools.repeat(10**15), max_steps=1)
+    assert list(itertools.islice(layouts, 2)) == [[(1, False)], [(1, False)]]
+
+
+@pytest.mark.parametrize("sink_size", [2**31, 2**63])
+def test_a_sink_size_no_call_can_run_is_refused(sink_size):
+    with pytest.raises(ValueError, match="sink_size must be a positive int"):
+        sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), sink_size)
