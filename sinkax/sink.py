@@ -34,6 +34,7 @@ import jax
 
 from sinkax import context, interrupt
 from sinkax import strategy as strategies
+from sinkax.backend import TARGETS, resolve_device
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, Source, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
@@ -218,8 +219,38 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
         raise ValueError(
             f"timeout must be seconds > 0 (at most {threading.TIMEOUT_MAX:.3g}), got {timeout!r}."
         )
-    if not max_chunk_bytes > 0:
-        raise ValueError(f"max_chunk_bytes must be > 0, got {max_chunk_bytes!r}.")
+    if (
+        isinstance(max_chunk_bytes, bool)
+        or not isinstance(max_chunk_bytes, numbers.Real)
+        or not 1 <= max_chunk_bytes < math.inf
+    ):
+        raise ValueError(
+            f"max_chunk_bytes must be a number of bytes >= 1, got {max_chunk_bytes!r}."
+        )
+
+
+def sink_device(device: jax.Device | str | None) -> jax.Device:
+    """``device``; a target or platform name (``"CPU"``, ``"cpu"``, ``"gpu"``) is its first
+    device; ``None`` the context's.
+
+    >>> sink_device("cpu").platform
+    'cpu'
+    """
+    if device is None:
+        return context.default_device()
+    if isinstance(device, str):
+        for target, platforms in TARGETS.items():
+            if device.lower() in (target.lower(), *platforms):
+                return resolve_device(target)
+        raise ValueError(
+            f"device must be a jax.Device or a target name ({', '.join(TARGETS)}), got {device!r}."
+        )
+    if not isinstance(device, jax.Device):
+        raise TypeError(
+            f"device must be a jax.Device (e.g. jax.devices()[0]) or a target name "
+            f"({', '.join(TARGETS)}), got {type(device).__name__}."
+        )
+    return device
 
 
 class Sink:
@@ -236,7 +267,7 @@ class Sink:
         prefetch: int = 2,
         max_chunk_bytes: int = 256 << 20,
         timeout: float = 60.0,
-        device: jax.Device | None = None,
+        device: jax.Device | str | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         read_options: grain.ReadOptions | None = None,
         data_state: dict[str, Any] | None = None,
@@ -248,7 +279,7 @@ class Sink:
         self.timeout = float(timeout)
         self.prefetch = int(prefetch)
         self.max_chunk_bytes = int(max_chunk_bytes)
-        self.device = device or context.default_device()
+        self.device = sink_device(device)
         self._source = as_source(dataset, read_options)
         if self.sink_size == -1 and self._source.epoch_length is None:
             self._source.close()
@@ -629,7 +660,9 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds without a single new batch from the dataset before a waiting call
         raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out).
-      device: where data and compute go (default from the context).
+      device: where data and compute go: a ``jax.Device`` or a target name (``"CPU"``,
+        ``"GPU"``, ``"Ascend"``, or a platform name such as ``"cpu"``); default from the
+        context.
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).

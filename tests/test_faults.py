@@ -228,3 +228,40 @@ def test_a_call_longer_than_memory_allows_is_planned_lazily():
 def test_a_sink_size_no_call_can_run_is_refused(sink_size):
     with pytest.raises(ValueError, match="sink_size must be a positive int"):
         sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), sink_size)
+
+
+def test_batches_with_no_arrays_are_explained():
+    sink = sinkax.data_sink(lambda s, b: (s, s), [{}] * 4, 2)
+    with sink, pytest.raises(sinkax.BatchSpecError, match="holds no arrays"):
+        sink(jnp.int32(0))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), None, "1MB", 0.5, True])
+def test_max_chunk_bytes_that_is_no_byte_count_is_refused(bad):
+    with pytest.raises(ValueError, match="max_chunk_bytes must be a number of bytes"):
+        sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, max_chunk_bytes=bad)
+
+
+def test_a_device_may_be_a_platform_name_and_anything_else_is_refused():
+    data = indexed_map_dataset(8, 2, seed=None)
+    with sinkax.data_sink(collect_index, data, 2, device="cpu") as sink:
+        assert sink.device == jax.devices("cpu")[0]
+        _, outs = sink(jnp.int32(0))
+    assert batch_numbers(outs) == [0, 1]
+    with pytest.raises(ValueError, match="target name"):
+        sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, device="tpu9")
+    with pytest.raises(TypeError, match=r"jax\.Device"):
+        sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, device=0)
+
+
+def test_int64_values_that_would_wrap_to_32_bits_are_refused():
+    if jax.config.jax_enable_x64:
+        pytest.skip("with x64 the device holds int64")
+    fits = [{"i": np.array([2**31 - 1], np.int64)}] * 2
+    with sinkax.data_sink(lambda s, b: (s, b["i"]), fits, 2) as sink:
+        _, outs = sink(jnp.int32(0))
+    assert np.asarray(outs).ravel().tolist() == [2**31 - 1] * 2
+    wraps = [{"i": np.array([2**31], np.int64)}] * 2
+    sink = sinkax.data_sink(lambda s, b: (s, b["i"]), wraps, 2)
+    with sink, pytest.raises(sinkax.BatchSpecError, match="would wrap"):
+        sink(jnp.int32(0))
