@@ -173,9 +173,15 @@ class DeviceRing:
         self._ready: queue.SimpleQueue[tuple[Chunk, list[np.ndarray]] | _Failure | _Closed] = (
             queue.SimpleQueue()
         )
-        self._stop = threading.Event()
-        self._spec_ready = threading.Event()
-        self._ended = threading.Event()  # (an interrupted Thread.join marks a live thread ended)
+        # No Event or Condition on the consumer side: their Python code, interrupted by a Ctrl-C,
+        # can leave their lock released under the producer ('release unlocked lock'). A flag
+        # plus a plain lock (C code) held until the flag is set serve instead; the flag is the
+        # truth, the lock only a way to wait for it.
+        self._stopped = False
+        self._spec_known = False  # `spec`, or a failure, is ready
+        self._spec_pending = _held_lock()
+        self._ended = False  # the producer has closed the source and ends
+        self._running = _held_lock()
         self._consumer_waiting = False
         self.last_progress = time.monotonic()  # when the producer last read a batch
         self.spec: BatchSpec | None = None
@@ -192,15 +198,17 @@ class DeviceRing:
             finally:  # by the thread that reads it, also when close() stopped waiting for it
                 try:
                     self._source.close()
-                finally:
-                    self._ended.set()
+                finally:  # (an interrupted Thread.join marks a live thread ended: not this)
+                    self._ended = True
+                    self._running.release()
 
     def _run_producer(self) -> None:
         try:
             start = self._source.position
             first = self._read()
             self.spec = BatchSpec.of(first)
-            self._spec_ready.set()
+            self._spec_known = True
+            self._spec_pending.release()
             pending = [first]
             layouts = self._plan(self.spec, start)
             head = list(itertools.islice(layouts, 3))
@@ -219,8 +227,10 @@ class DeviceRing:
         except _Stopped:
             return
         except BaseException as error:  # delivered to the consumer, raised there
-            self._spec_ready.set()
             self._ready.put(_Failure(error, error.__traceback__))
+            if not self._spec_known:
+                self._spec_known = True
+                self._spec_pending.release()
 
     def _read(self) -> Any:
         batch = next(self._source)
@@ -236,13 +246,13 @@ class DeviceRing:
                 staging = self._free.get(timeout=0.05)
                 break
             except queue.Empty:
-                if self._stop.is_set():
+                if self._stopped:
                     return None
         self.stats.slot_wait_s += time.perf_counter() - t0
         with self._lock:
             self._in_use += 1
             self.stats.max_chunks_on_device = max(self.stats.max_chunks_on_device, self._in_use)
-        return None if self._stop.is_set() else (staging or [])
+        return None if self._stopped else (staging or [])
 
     def _allocate(self, steps: int) -> list[np.ndarray]:
         spec = self.spec
@@ -286,7 +296,7 @@ class DeviceRing:
                             copies = [owned_copy(leaf) for leaf in leaves]
                             build.batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
                         build.filled += 1
-                    if self._stop.is_set():
+                    if self._stopped:
                         raise _Stopped
                 source = self._source
                 piece = Piece(piece_steps, ends_call, source.position, source.get_state())
@@ -351,7 +361,9 @@ class DeviceRing:
 
     def first_spec(self, timeout: float) -> BatchSpec:
         """The spec of the first batch, waiting for it up to ``timeout`` seconds."""
-        if not self._spec_ready.wait(timeout):
+        if not self._spec_known and self._spec_pending.acquire(timeout=timeout):
+            self._spec_pending.release()
+        if not self._spec_known:
             raise SinkTimeoutError(f"No first batch arrived within {timeout:.1f} s.")
         if self.spec is None:
             failure = self._ready.get()
@@ -411,14 +423,21 @@ class DeviceRing:
         closes the source and ends. A call waiting in :meth:`get` fails with
         :class:`~sinkax.errors.SinkClosedError`.
         """
-        self._stop.set()
+        self._stopped = True
         self._ready.put(_Closed())  # wakes a waiting consumer now, not after the join
-        if threading.current_thread() is not self._thread:  # (collected in its own thread)
-            self._ended.wait(timeout)
+        waits = threading.current_thread() is not self._thread  # (collected in its own thread)
+        if waits and not self._ended and self._running.acquire(timeout=timeout):
+            self._running.release()
         while not self._ready.empty():
             self._ready.get_nowait()
         self._ready.put(_Closed())
-        return self._ended.is_set()
+        return self._ended
+
+
+def _held_lock() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 def _steps(layout: Layout) -> int:
