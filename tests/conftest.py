@@ -88,13 +88,14 @@ SINKAX_DIR = os.path.dirname(sinkax.__file__) + os.sep
 
 
 @contextlib.contextmanager
-def ctrl_c_at_check(k, function=None):
+def ctrl_c_at_check(k, function=None, also=()):
     """Press Ctrl-C at the ``k``-th point of a run of ``function`` -- without one, of every sinkax
     frame the run passes through (sink, ring, source, strategy, feed, ...) -- where a real one
     can land: a frame's start, or right after one of its calls or backward jumps (none if the
-    run has fewer). Only the calling thread is traced: only it receives ``KeyboardInterrupt``."""
+    run has fewer); with ``also``, the frames of those source files too. Only the calling thread
+    is traced: only it receives ``KeyboardInterrupt``."""
     if function is None:
-        traced = lambda code: code.co_filename.startswith(SINKAX_DIR)  # noqa: E731
+        traced = lambda code: code.co_filename.startswith(SINKAX_DIR) or code.co_filename in also  # noqa: E731
     else:
         traced = lambda code: code is function.__code__  # noqa: E731
     checks, last, after = itertools.count(), {}, {}

@@ -132,14 +132,19 @@ def test_restore_data_state_from_another_thread_during_a_call_is_refused():
         assert batch_numbers(outs) == [2, 3]
 
 
-def test_ctrl_c_in_any_sinkax_frame_of_a_restore_leaves_a_working_sink_at_its_data_state():
+@pytest.mark.parametrize(
+    "also",
+    [(), pytest.param((threading.__file__,), marks=pytest.mark.slow)],
+    ids=["sinkax", "and-threading"],
+)
+def test_ctrl_c_in_any_sinkax_frame_of_a_restore_leaves_a_working_sink_at_its_data_state(also):
     dataset = indexed_map_dataset(4000, BATCH, seed=None)
     for k in itertools.count():
         with sinkax.data_sink(collect_index, dataset, 3, strategy="scan", prefetch=1) as sink:
             state, _ = sink(jnp.int32(0))
             saved = sink.data_state()  # batch 3 next
             state, _ = sink(state)
-            with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k) as checks:
+            with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k, also=also) as checks:
                 sink.restore_data_state(saved)
             start = sink.data_state()["step"]
             assert start in (3, 6), f"Ctrl-C at check {k}"
