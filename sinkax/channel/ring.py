@@ -25,6 +25,13 @@ The producer follows a plan: an endless sequence of chunk layouts, each a list o
 for many small calls), or a part of one call too large for a single chunk. Nothing is read past
 what the plan asks for, and each piece records the source position and state after its last
 batch, so the consumer can report (and checkpoint) an exact data position after every call.
+
+A consumer that finds no chunk ready takes the complete pieces of the chunk being filled (a
+*cut*; the producer carries the batches it read past them over to its next chunk), so a batch
+slow to arrive never holds back a call whose batches were all read; and its wait for data lasts
+until the producer has read no batch for ``timeout`` seconds. The consumer side uses C queues
+and plain locks only, never an ``Event`` or ``Condition``, whose Python code a Ctrl-C in the
+consumer can interrupt half done.
 """
 
 from __future__ import annotations
