@@ -226,7 +226,7 @@ def main(argv=None):
         counts["interrupts"] += barrage.raised - raised
         counts["outside"] += barrage.outside - outside
     rows = [{"config": name, **per_config[name]} for name in CONFIGS]
-    total = {"config": "total", **sum(per_config.values(), collections.Counter())}
+    total = {"config": "total", **{c: sum(r[c] for r in rows) for c in COUNTS}}
     total["errors"] = len(errors)
     print(table([*rows, total], ["config", *COUNTS, "errors"]))
     print(f"{time.monotonic() - t0:.0f} s; errors: {errors or 'none'}")

@@ -485,6 +485,7 @@ class Sink:
         self._running = True
         parts: list[Any] = []
         guarded = False  # whether this call holds Ctrl-C (main thread only): it clears it
+        carry: Any = None
         try:
             self._check_open()
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
@@ -525,7 +526,7 @@ class Sink:
             self._returned = carry  # frees the last call's state, while a Ctrl-C is held
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException:
-            if guarded:
+            if guarded or interrupt.GUARD.state is carry:  # (a Ctrl-C as guard() returned)
                 interrupt.GUARD.state = None
             if parts:  # data was consumed and not delivered: the next call rewinds
                 self._resync = True

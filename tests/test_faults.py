@@ -48,6 +48,7 @@ def test_ctrl_c_in_any_sinkax_frame_of_a_call_loses_and_leaks_nothing(case):
             with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k) as checks:
                 state, outs = sink(state)
                 numbers += batch_numbers(outs)
+            assert sinkax.interrupt.GUARD.state is None, f"Ctrl-C at check {k}: guard left open"
             state = calls_until(sink, state, 4 * sink_size, numbers)
             assert numbers == list(range(len(numbers))), f"Ctrl-C at check {k}"
             assert int(state) == len(numbers), f"Ctrl-C at check {k}: the state lost steps"

@@ -285,21 +285,23 @@ class _HostNet:
             window = with_leading_axis(jax.device_put(batch, self._device))
         else:  # "step": XLA takes the host batch at dispatch, as a plain jitted step does
             window = (batch,)
-        guarded = False  # as in Sink.__call__
+        guarded, donated = False, None  # as in Sink.__call__
         try:
             if state is _NO_STATE:
                 out = self._stateless.run((), window, 0, 1)[1]
             else:
                 if state is not self._returned:  # (device_put walks the tree: ~80 µs a state)
                     state = jax.device_put(state, self._device)
+                donated = state
                 guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
                 out = self._stateful.run(state, window, 0, 1)
                 self._returned = out[0]
             guarded = interrupt.guard(interrupt.DISPATCHED)  # hold Ctrl-C to the return
+            donated = None
             del state, batch, window  # freed (µs) while a Ctrl-C is held, not after the guard
             interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
         except BaseException:
-            if guarded:
+            if guarded or interrupt.GUARD.state is donated:  # (a Ctrl-C as guard() returned)
                 interrupt.GUARD.state = None
             raise
         # No call from here on (see Sink.__call__): the step's output and the data position
