@@ -32,8 +32,10 @@ True
 from __future__ import annotations
 
 import _signal  # `signal.getsignal` wraps this in an enum lookup costing ~2 µs; this is per call
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from sinkax.pytree import deleted_leaf
@@ -112,3 +114,22 @@ def checkpoint() -> None:
     state, or a batch), so that a Ctrl-C which came meanwhile is handled -- and held -- inside the
     guard rather than in the caller after the return.
     """
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Hold Ctrl-C through the block -- a step that must not stop half done, such as starting a
+    thread and recording it -- and pass it on once the block is over (if no guard encloses it).
+
+    >>> with held():
+    ...     pass
+    """
+    outer = GUARD.state
+    opened = guard(DISPATCHED)
+    try:
+        yield
+    finally:
+        if opened:
+            GUARD.state = outer
+            if outer is None:
+                deliver_held()

@@ -34,7 +34,7 @@ import jax
 
 from sinkax import context, distributed, interrupt, pjrt, placement
 from sinkax import strategy as strategies
-from sinkax.backend import backend_of
+from sinkax.backend import TARGETS, backend_of, resolve_device
 from sinkax.channel.ring import Chunk, DeviceRing
 from sinkax.channel.source import Position, Source, as_source, snapshot
 from sinkax.errors import SinkClosedError, SinkTimeoutError
@@ -122,10 +122,10 @@ def plan_chunks(
             if chunk:
                 yield chunk
                 chunk, filled = [], 0
-            full, rest = divmod(steps, max_steps)
-            parts = [max_steps] * full + ([rest] if rest else [])
-            for j, part in enumerate(parts):
-                yield [(part, j == len(parts) - 1)]
+            while steps > max_steps:  # lazily: a call may span more chunks than fit in memory
+                yield [(max_steps, False)]
+                steps -= max_steps
+            yield [(steps, True)]
             continue
         if filled + steps > max_steps:
             yield chunk
@@ -167,11 +167,24 @@ def check_data_state(source: Source, data_state: Any) -> None:
             f"This data_state does not fit the dataset: {error} Give what Sink.data_state() "
             "returned for a sink over the same dataset."
         ) from None
+    saved = data_state.get("epoch_length")
+    if saved is not None and saved != source.epoch_length:
+        raise _length_error(data_state, f"{saved} batches per epoch", source.epoch_length)
+
+
+def _length_error(data_state: dict[str, Any], saved: str, length: int | None) -> ValueError:
+    return ValueError(
+        f"This data_state was saved over a dataset of another epoch length ({saved}) than this "
+        f"one ({length} batches per epoch), at epoch {data_state['epoch']}, step "
+        f"{data_state['step']}: resuming would run partial epochs. Resume with the dataset and "
+        "batch size it was saved with, or start without it."
+    )
 
 
 def move_to(source: Source, data_state: Any) -> None:
     """Set ``source`` to a position saved by :meth:`Sink.data_state`; ``ValueError`` if it does
-    not fit."""
+    not fit, such as one saved over a dataset of another epoch length (the source is then left
+    where the state put it: restore it)."""
     check_data_state(source, data_state)
     try:
         source.set_state(data_state["source"])
@@ -180,18 +193,28 @@ def move_to(source: Source, data_state: Any) -> None:
             f"This data_state does not fit the dataset ({type(error).__name__}: {error}). Give "
             "what Sink.data_state() returned for a sink over the same dataset."
         ) from error
+    saved = Position(data_state["epoch"], data_state["step"])
+    length = source.epoch_length
+    if source.position != saved or (length is not None and saved.step >= length):
+        index = data_state["source"].get("next_index")  # a grain state implies its length
+        implied = (index - saved.step) // saved.epoch if saved.epoch and index else None
+        raise _length_error(data_state, f"{implied or 'unknown'} batches per epoch", length)
+
+
+MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
 
 
 def check_sink_size(sink_size: Any) -> int:
-    """``sink_size`` as an int: steps per call (> 0), or -1; else a ``ValueError``."""
+    """``sink_size`` as an int: steps per call (1 to :data:`MAX_SINK_SIZE`), or -1; else a
+    ``ValueError``."""
     if (
         isinstance(sink_size, bool)
         or not isinstance(sink_size, numbers.Integral)
-        or not (sink_size > 0 or sink_size == -1)
+        or not (0 < sink_size <= MAX_SINK_SIZE or sink_size == -1)
     ):
         raise ValueError(
-            f"sink_size must be a positive int (steps per call) or -1 (one epoch per call), "
-            f"got {sink_size!r}."
+            f"sink_size must be a positive int (steps per call, at most {MAX_SINK_SIZE}: a "
+            f"call stacks every step's output) or -1 (one epoch per call), got {sink_size!r}."
         )
     return int(sink_size)
 
@@ -204,8 +227,38 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
         raise ValueError(
             f"timeout must be seconds > 0 (at most {threading.TIMEOUT_MAX:.3g}), got {timeout!r}."
         )
-    if not max_chunk_bytes > 0:
-        raise ValueError(f"max_chunk_bytes must be > 0, got {max_chunk_bytes!r}.")
+    if (
+        isinstance(max_chunk_bytes, bool)
+        or not isinstance(max_chunk_bytes, numbers.Real)
+        or not 1 <= max_chunk_bytes < math.inf
+    ):
+        raise ValueError(
+            f"max_chunk_bytes must be a number of bytes >= 1, got {max_chunk_bytes!r}."
+        )
+
+
+def sink_device(device: jax.Device | str | None) -> jax.Device:
+    """``device``; a target or platform name (``"CPU"``, ``"cpu"``, ``"gpu"``) is its first
+    device; ``None`` the context's.
+
+    >>> sink_device("cpu").platform
+    'cpu'
+    """
+    if device is None:
+        return context.default_device()
+    if isinstance(device, str):
+        for target, platforms in TARGETS.items():
+            if device.lower() in (target.lower(), *platforms):
+                return resolve_device(target)
+        raise ValueError(
+            f"device must be a jax.Device or a target name ({', '.join(TARGETS)}), got {device!r}."
+        )
+    if not isinstance(device, jax.Device):
+        raise TypeError(
+            f"device must be a jax.Device (e.g. jax.devices()[0]) or a target name "
+            f"({', '.join(TARGETS)}), got {type(device).__name__}."
+        )
+    return device
 
 
 class Sink:
@@ -222,7 +275,7 @@ class Sink:
         prefetch: int = 2,
         max_chunk_bytes: int = 256 << 20,
         timeout: float = 60.0,
-        device: jax.Device | None = None,
+        device: jax.Device | str | None = None,
         sharding: jax.sharding.Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         read_options: grain.ReadOptions | None = None,
@@ -235,7 +288,9 @@ class Sink:
         self.timeout = float(timeout)
         self.prefetch = int(prefetch)
         self.max_chunk_bytes = int(max_chunk_bytes)
-        self.sharding = placement.resolve(device, sharding, context.default_device)
+        self.sharding = placement.resolve(
+            None if device is None else sink_device(device), sharding, context.default_device
+        )
         self._source = as_source(dataset, read_options)
         if self.sink_size == -1 and self._source.epoch_length is None:
             self._source.close()
@@ -294,15 +349,16 @@ class Sink:
 
     # -- data channel --------------------------------------------------------------------
     def _start_ring(self) -> None:
-        self._ring = DeviceRing(
-            self._source,
-            # the plan holds no reference to the sink: an unclosed sink can still be collected
-            functools.partial(plan, self.sink_size, self.epoch_length, self.max_chunk_bytes),
-            prefetch=self.prefetch,
-            sharding=placement.stacked(self.sharding),
-            stack=strategies.takes_stacked_chunks(self._strategy_name),
-        )
-        self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
+        with interrupt.held():  # a producer started is a producer recorded (and closed)
+            self._ring = DeviceRing(
+                self._source,
+                # the plan holds no reference to the sink: an unclosed sink can still be collected
+                functools.partial(plan, self.sink_size, self.epoch_length, self.max_chunk_bytes),
+                prefetch=self.prefetch,
+                sharding=placement.stacked(self.sharding),
+                stack=strategies.takes_stacked_chunks(self._strategy_name),
+            )
+            self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
 
     def _stop_ring(self) -> bool:
         """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
@@ -326,10 +382,16 @@ class Sink:
         Pass it to :meth:`restore_data_state` (or ``data_sink(..., data_state=...)``) to continue
         with exactly the next batch, none repeated and none skipped -- and, where ``"auto"``
         would choose, with the same strategy, so that a resumed run computes what the
-        uninterrupted one did, bit for bit.
+        uninterrupted one did, bit for bit. With a dataset of known length it also holds
+        ``"epoch_length"``: a resume onto another length is refused.
         """
+        state = dict(self._committed)
+        if self.epoch_length is not None:
+            state["epoch_length"] = self.epoch_length
         name = getattr(self._strategy, "name", None)
-        return {**self._committed, **({"strategy": name} if name in strategies.RECORDED else {})}
+        if name in strategies.RECORDED:
+            state["strategy"] = name
+        return state
 
     def reselect(self) -> None:
         """Let ``"auto"`` measure its candidates again at the next call (e.g. after the machine's
@@ -347,10 +409,32 @@ class Sink:
             self._strategy.reselect()
 
     def restore_data_state(self, state: dict[str, Any]) -> None:
-        """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks."""
-        self._check_open()
+        """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks.
+
+        Refused (``RuntimeError``) while a call runs, from another thread. If interrupted, the
+        next call finishes the rewind, to :meth:`data_state` as it then reads.
+        """
+        if self._running:
+            raise self._busy()
+        self._running = True
+        try:
+            self._check_open()
+            self._rewind(state)
+        finally:
+            self._running = False
+
+    @staticmethod
+    def _busy() -> RuntimeError:
+        return RuntimeError(
+            "This sink is already running a call, from another thread (or restoring its data "
+            "state). A sink runs one at a time, as each moves its data position: give each "
+            "thread its own sink, or let them take turns (a threading.Lock around the calls)."
+        )
+
+    def _rewind(self, state: dict[str, Any]) -> None:
         check_data_state(self._source, state)  # before the producer stops: a one-shot
         # iterator's producer cannot be restarted where it was
+        self._resync = True  # until a producer runs from `_committed` again
         if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
             raise SinkTimeoutError(
                 self._stuck_producer("rewinding the data")
@@ -362,15 +446,16 @@ class Sink:
             with contextlib.suppress(Exception):
                 self._source.set_state(self._committed["source"])
             self._start_ring()
+            self._resync = False
             raise
         self._committed = snapshot(self._source)
-        self._resync = False
         if "strategy" in state:  # what "auto" would measure, the saved run chose
             if isinstance(self._strategy, strategies.Auto):
                 self._strategy.pin(state["strategy"])
             elif self._strategy is None and self._strategy_name == "auto":
                 self._strategy_name = state["strategy"]
         self._start_ring()
+        self._resync = False
 
     @property
     def epoch(self) -> int:
@@ -452,12 +537,13 @@ class Sink:
         produced = f"{ring.batches / ring.busy_s:.1f} batches/s" if ring.busy_s else "n/a"
         consumed = f"{self._steps / self._busy_s:.1f} steps/s" if self._busy_s else "n/a"
         return (
-            f"No data reached the sink within {self.timeout:.1f} s (waiting for epoch "
-            f"{self.epoch}, step {self.step}). The producer has delivered {ring.batches} batches "
-            f"at {produced}; the sink consumes {consumed}. The input pipeline is too slow or "
-            "stuck: speed it up (grain ReadOptions(num_threads=...), batch before heavy "
-            "transforms, vectorise them), raise `timeout=` if slow batches are expected, or "
-            "iterate the dataset directly (or dataset_sink_mode=False) to find the slow sample."
+            f"The input pipeline delivered no batch for {self.timeout:.1f} s while the sink "
+            f"waited for data (epoch {self.epoch}, step {self.step}). So far it has delivered "
+            f"{ring.batches} batches, at {produced}; the sink consumes {consumed}. The pipeline "
+            "is stuck or very slow per batch: speed it up (grain ReadOptions(num_threads=...), "
+            "batch before heavy transforms, vectorise them), raise `timeout=` if single batches "
+            "can take that long, or iterate the dataset directly (or dataset_sink_mode=False) "
+            "to find the slow sample."
         )
 
     def __call__(self, state: Any = _NO_STATE) -> Any:
@@ -471,14 +557,11 @@ class Sink:
         stops before anything runs.
         """
         if self._running:  # a load and a store, no call between: no other thread runs in between
-            raise RuntimeError(
-                "This sink is already running a call, from another thread. A sink runs one call "
-                "at a time, as each call moves its data position: give each thread its own "
-                "sink, or let them take turns (a threading.Lock around the calls)."
-            )
+            raise self._busy()
         self._running = True
         parts: list[Any] = []
         guarded = False  # whether this call holds Ctrl-C (main thread only): it clears it
+        carry: Any = None
         try:
             self._check_open()
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
@@ -487,8 +570,8 @@ class Sink:
             stateful = state is not _NO_STATE
             arrays, static = self._partition(state) if stateful else ((), None)
             run = self._strategy_for(stateful, static)
-            if self._resync:  # an interrupted call consumed data it never delivered: rewind
-                self.restore_data_state(self._committed)
+            if self._resync:  # an interrupted call took data it never delivered: rewind
+                self._rewind(self._committed)
             carry = () if not stateful else self._on_device(arrays)
             t_call, wait_before = time.perf_counter(), self._data_wait_s
             while True:
@@ -525,10 +608,12 @@ class Sink:
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException as error:
             self._peers.fail(error)  # the other processes raise too, none waits for this one
-            if guarded:
+            if guarded or interrupt.GUARD.state is carry:  # (a Ctrl-C as guard() returned)
                 interrupt.GUARD.state = None
             if parts:  # data was consumed and not delivered: the next call rewinds
-                self._resync = not self._ring.failed
+                self._resync = True
+            if self._ring.failed:  # ... unless every call fails the same way
+                self._resync = False
             self._running = False
             raise
         # From here on nothing is called and nothing slow is freed, so no Ctrl-C is handled
@@ -566,9 +651,18 @@ class Sink:
     def _current_chunk(self) -> Chunk:
         """The chunk holding the next piece, taking the next one when this is used up."""
         if self._chunk is None or self._piece == len(self._chunk.pieces):
+            # Taking a chunk moves the ring: if anything interrupts this before the chunk is
+            # recorded, the next call rewinds to the committed position (nothing is lost).
+            self._resync = True
             self._finish_in_flight()  # frees the used-up chunk's slot
-            self._chunk = self._next_chunk()
+            try:
+                chunk = self._next_chunk()
+            except Exception:  # a timeout or the producer's error: nothing was taken
+                self._resync = False
+                raise
+            self._chunk = chunk
             self._piece = self._offset = 0
+            self._resync = False
         return self._chunk
 
     def lower(self, state: Any = _NO_STATE) -> jax.stages.Lowered:
@@ -613,10 +707,17 @@ class Sink:
             raise SinkClosedError("This sink is closed; create a new one with sinkax.data_sink.")
 
     def close(self) -> None:
-        """Stop the producer thread and free the device chunks. Idempotent."""
+        """Stop the producer thread and free the device chunks. Idempotent.
+
+        From another thread while a call waits for data, that call fails at once with
+        :class:`~sinkax.SinkClosedError` (its state stays valid).
+        """
         if not self._closed:
             self._closed = True
-            if not self._stop_ring():
+            if self._running:  # a call in another thread owns the chunks: wake it, leave them
+                self._finalizer.detach()
+                self._ring.close(self.timeout)
+            elif not self._stop_ring():
                 warnings.warn(self._stuck_producer("close()"), RuntimeWarning, stacklevel=2)
         interrupt.release()
 
@@ -646,8 +747,11 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         does a ``data_state`` that recorded one.
       prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
-      timeout: seconds to wait for data before :class:`~sinkax.SinkTimeoutError`.
-      device: where data and compute go (default from the context).
+      timeout: seconds without a single new batch from the dataset before a waiting call
+        raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out).
+      device: where data and compute go: a ``jax.Device`` or a target name (``"CPU"``,
+        ``"GPU"``, ``"Ascend"``, ``"Emulated"``, or a platform name such as ``"cpu"``); default
+        from the context.
       sharding: instead of ``device``, a ``jax.sharding.Sharding`` of one batch, e.g.
         ``NamedSharding(mesh, P("data"))`` to split the batch axis over the mesh's devices
         (data parallelism; the state is replicated unless already placed on those devices).

@@ -42,6 +42,11 @@ class BatchSpec:
     def of(cls, batch: Any) -> BatchSpec:
         """The spec of ``batch`` (a pytree of array-likes)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        if not flat:
+            raise BatchSpecError(
+                f"The first batch holds no arrays ({batch!r:.100}): each step needs a batch of "
+                "arrays to scan over. Check the pipeline's last map returns the batch."
+            )
         paths = tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in flat)
         for path, (_, leaf) in zip(paths, flat, strict=True):
             if is_extended(getattr(leaf, "dtype", None)):
@@ -113,4 +118,19 @@ def check(spec: BatchSpec, batch: Any, where: object) -> list[np.ndarray]:
                 f"Batch at {where}, leaf {path}: expected shape {shape} dtype {dtype}, got shape "
                 f"{leaf.shape} dtype {leaf.dtype}. {_FIX}"
             )
+        if dtype.kind in "iu" and dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+            _check_fits_32_bits(leaf, path, where)
     return leaves
+
+
+def _check_fits_32_bits(leaf: np.ndarray, path: str, where: object) -> None:
+    """Without ``jax_enable_x64`` a 64-bit int leaf goes to the device as 32 bits: refuse
+    values that would wrap."""
+    narrow = np.iinfo(np.int32 if leaf.dtype.kind == "i" else np.uint32)
+    if leaf.size and (leaf.min() < narrow.min or leaf.max() > narrow.max):
+        raise BatchSpecError(
+            f"Batch at {where}, leaf {path}: {leaf.dtype} values from {leaf.min()} to "
+            f"{leaf.max()} do not fit the {narrow.dtype} the device holds them in without "
+            "jax_enable_x64, and would wrap. Enable it (jax.config.update('jax_enable_x64', "
+            "True)) or map the values into 32 bits in the pipeline."
+        )

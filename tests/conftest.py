@@ -6,6 +6,7 @@ import itertools
 import os
 import signal
 import sys
+import time
 
 import grain
 import jax
@@ -102,23 +103,51 @@ def signal_checks(code):
     return {i.offset for i in dis.get_instructions(code) if i.opname.startswith(("CALL", "JUMP_B"))}
 
 
+SINKAX_DIR = os.path.dirname(sinkax.__file__) + os.sep
+
+
 @contextlib.contextmanager
-def ctrl_c_at_check(k, function):
-    """Press Ctrl-C at the ``k``-th point of a run of ``function`` where a real one can land: its
-    start, or right after one of its calls or backward jumps (none if the run has fewer)."""
-    code = function.__code__
-    after, checks, last = signal_checks(code), itertools.count(), [None]
+def ctrl_c_at_check(k, function=None, also=()):
+    """Press Ctrl-C at the ``k``-th point of a run of ``function`` -- without one, of every sinkax
+    frame the run passes through (sink, ring, source, strategy, feed, ...) -- where a real one
+    can land: a frame's start, or right after one of its calls or backward jumps (none if the
+    run has fewer); with ``also``, the frames of those source files too. Only the calling thread
+    is traced: only it receives ``KeyboardInterrupt``."""
+    if function is None:
+        traced = lambda code: code.co_filename.startswith(SINKAX_DIR) or code.co_filename in also  # noqa: E731
+    else:
+        traced = lambda code: code is function.__code__  # noqa: E731
+    checks, last, after = itertools.count(), {}, {}
 
     def on_opcode(frame, event, arg):
         frame.f_trace_opcodes = True
         if event == "opcode":
-            if (last[0] is None or last[0] in after) and next(checks) == k:
+            code = frame.f_code
+            if code not in after:
+                after[code] = signal_checks(code)
+            previous = last.get(id(frame))
+            if (previous is None or previous in after[code]) and next(checks) == k:
                 signal.raise_signal(signal.SIGINT)
-            last[0] = frame.f_lasti
+            last[id(frame)] = frame.f_lasti
         return on_opcode
 
-    sys.settrace(lambda frame, *_: on_opcode if frame.f_code is code else None)
+    def on_call(frame, *_):
+        if not traced(frame.f_code):
+            return None
+        last[id(frame)] = None  # a new frame (ids are reused)
+        return on_opcode
+
+    sys.settrace(on_call)
     try:
         yield checks
     finally:
         sys.settrace(None)
+
+
+def assert_no_slot_leaked(sink, timeout=10.0):
+    """Every device slot of ``sink``'s ring is queued or handed out once its producer (over an
+    endless dataset) has filled them all: none went missing."""
+    ring, deadline = sink._ring, time.monotonic() + timeout
+    while ring._ready.qsize() + len(ring._handed_out) < sink.prefetch + 1:
+        assert time.monotonic() < deadline, "a device slot leaked"
+        time.sleep(0.002)

@@ -3,6 +3,7 @@
 import io
 import os
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -127,3 +128,19 @@ def test_model_checkpoint_refuses_to_mix_runs(tmp_path):
     new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))
     with pytest.raises(ValueError, match=r"another run.*resume_from"):
         new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's read-only /proc")
+def test_model_checkpoint_refuses_an_existing_unwritable_directory_before_training():
+    # /proc/self exists and no one, root included, can create files in it
+    started = []
+
+    class Started(Recorder):
+        def on_epoch_begin(self, run):
+            started.append(run.epoch)
+
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="ModelCheckpoint cannot write to /proc/self"):
+        new_model().train(2, blobs(3), callbacks=[Started(), ModelCheckpoint("/proc/self")])
+    assert started == []
+    assert set(threading.enumerate()) <= before  # no producer or orbax thread left behind

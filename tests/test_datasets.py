@@ -301,3 +301,23 @@ def test_docstring_examples(module: str, no_env: None) -> None:
     pytest.importorskip("mlxtend")
     result = doctest.testmod(importlib.import_module(f"sinkax.datasets.{module}"))
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not gzip at all", gzip.compress(b"\x00\x00\x08\x01" + bytes(100))[:-12]],
+    ids=["not-gzip", "truncated-gzip"],
+)
+def test_a_broken_gz_file_is_named(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "labels.gz"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"labels\.gz: not a valid gzip file"):
+        read_idx(path, 2049)
+
+
+def test_an_idx_header_whose_dimensions_overflow_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "images"  # 2**31 * 2**31 * 4 = 2**64: 0 in int64
+    dims = [2**31, 2**31, 4]
+    path.write_bytes(b"".join(d.to_bytes(4, "big") for d in [2051, *dims]))
+    with pytest.raises(ValueError, match="images: truncated: header declares shape"):
+        read_idx(path, 2051)

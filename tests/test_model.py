@@ -393,7 +393,8 @@ def test_without_a_guard_the_nan_reaches_the_params_and_training_stops():
     assert not np.all(np.isfinite(jax.tree.leaves(model.state.params)[0]))
 
 
-def test_a_run_stopped_for_nan_keeps_its_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("save_every_epochs", [2, 1], ids=["nan-epoch-unsaved", "nan-epoch-ends"])
+def test_a_run_stopped_for_nan_keeps_its_last_good_checkpoint(tmp_path, save_every_epochs):
     data = blobs(4)
     poisoned = [{"image": b["image"] * np.nan, "label": b["label"]} for b in data]
     epochs = iter([data, data, poisoned, data, data, data])  # epoch 3 gives NaN
@@ -405,8 +406,11 @@ def test_a_run_stopped_for_nan_keeps_its_last_good_checkpoint(tmp_path):
         def __iter__(self):
             return iter(next(epochs))
 
-    checkpoint = ModelCheckpoint(tmp_path, keep_last=1, save_every_epochs=2)
-    run = new_model().train(6, ThirdEpochNaN(), [TerminateOnNaN(), checkpoint])
+    # every epoch: the NaN sink finishes epoch 3, whose end must not save it (nor delete 8)
+    checkpoint = ModelCheckpoint(tmp_path, keep_last=1, save_every_epochs=save_every_epochs)
+    warns = pytest.warns(RuntimeWarning, match="not finite")
+    with warns if save_every_epochs == 1 else contextlib.nullcontext():
+        run = new_model().train(6, ThirdEpochNaN(), [TerminateOnNaN(), checkpoint])
     assert run.stop_requested and run.epoch == 3
     assert sorted(os.listdir(tmp_path)) == ["8"]  # epoch 2's, not the NaN state of epoch 3
     restored = new_model()

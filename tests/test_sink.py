@@ -396,19 +396,22 @@ def test_a_dataset_error_reaches_the_caller_with_its_traceback(batches):
 
 
 def test_a_stalled_pipeline_times_out_with_a_diagnosis(batches):
-    class Slow:
+    stall = threading.Event()  # (a slow batch would now and then arrive within the timeout)
+
+    class Stalls:
         def __iter__(self):
             for i, batch in enumerate(batches):
-                if i >= 2:
-                    time.sleep(1.0)
+                if i == 2:
+                    stall.wait(10.0)
                 yield batch
 
-    sink = sinkax.data_sink(train_step, Slow(), 2, timeout=0.2)
+    sink = sinkax.data_sink(train_step, Stalls(), 2, timeout=0.2)
     state, _ = sink(init_state())
     with pytest.raises(sinkax.SinkTimeoutError) as err:
         sink(state)
-    with pytest.warns(RuntimeWarning, match="slow or blocked"):  # mid-batch for 1 s
+    with pytest.warns(RuntimeWarning, match="slow or blocked"):  # mid-batch
         sink.close()
+    stall.set()
     message = str(err.value)
     assert "0.2 s" in message and "batches/s" in message and "steps/s" in message
     assert "num_threads" in message

@@ -27,6 +27,13 @@ The producer follows a plan: an endless sequence of chunk layouts, each a list o
 for many small calls), or a part of one call too large for a single chunk. Nothing is read past
 what the plan asks for, and each piece records the source position and state after its last
 batch, so the consumer can report (and checkpoint) an exact data position after every call.
+
+A consumer that finds no chunk ready takes the complete pieces of the chunk being filled (a
+*cut*; the producer carries the batches it read past them over to its next chunk), so a batch
+slow to arrive never holds back a call whose batches were all read; and its wait for data lasts
+until the producer has read no batch for ``timeout`` seconds. The consumer side uses C queues
+and plain locks only, never an ``Event`` or ``Condition``, whose Python code a Ctrl-C in the
+consumer can interrupt half done.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import numpy as np
 
 from sinkax import affinity, placement
 from sinkax.channel.source import Position, Source
-from sinkax.errors import SinkTimeoutError
+from sinkax.errors import SinkClosedError, SinkTimeoutError
 from sinkax.spec import BatchSpec, check
 
 Layout = list[tuple[int, bool]]
@@ -122,6 +129,19 @@ class _Failure:
         raise self.error.with_traceback(self.traceback)
 
 
+@dataclasses.dataclass
+class _Build:
+    """The chunk the producer is filling; the consumer may take its complete pieces (a cut)."""
+
+    staging: list[np.ndarray]
+    t0: float
+    pieces: list[Piece] = dataclasses.field(default_factory=list)
+    batches: list[Any] = dataclasses.field(default_factory=list)  # unstacked rings
+    filled: int = 0  # batches written
+    taken: int | None = None  # pieces the consumer took, once it cut the chunk
+    carry: list[Any] = dataclasses.field(default_factory=list)  # batches read past them
+
+
 class DeviceRing:
     """Background producer of device chunks; ``get`` hands them out in order.
 
@@ -151,16 +171,28 @@ class DeviceRing:
         self._plan = plan
         self._sharding = sharding
         self.stack = stack
-        self._free: queue.Queue[list[np.ndarray] | None] = queue.Queue()
+        # C queues: a Ctrl-C in the consumer cannot leave them half-updated
+        self._free: queue.SimpleQueue[list[np.ndarray] | None] = queue.SimpleQueue()
         for _ in range(prefetch + 1):
             self._free.put(None)  # a slot whose staging buffers are not allocated yet
         self._handed_out: collections.deque[list[np.ndarray]] = collections.deque()
         self._in_use = 0
-        self._in_use_lock = threading.Lock()
-        self._ready: queue.Queue[tuple[Chunk, list[np.ndarray]] | _Failure] = queue.Queue()
-        self._stop = threading.Event()
-        self._spec_ready = threading.Event()
-        self._consumer_waiting = threading.Event()
+        self._lock = threading.Lock()  # the chunk being built, the stats
+        self._building: _Build | None = None
+        self._ready: queue.SimpleQueue[tuple[Chunk, list[np.ndarray]] | _Failure | _Closed] = (
+            queue.SimpleQueue()
+        )
+        # No Event or Condition on the consumer side: their Python code, interrupted by a Ctrl-C,
+        # can leave their lock released under the producer ('release unlocked lock'). A flag
+        # plus a plain lock (C code) held until the flag is set serve instead; the flag is the
+        # truth, the lock only a way to wait for it.
+        self._stopped = False
+        self._spec_known = False  # `spec`, or a failure, is ready
+        self._spec_pending = _held_lock()
+        self._ended = False  # the producer has closed the source and ends
+        self._running = _held_lock()
+        self._consumer_waiting = False
+        self.last_progress = time.monotonic()  # when the producer last read a batch
         self.spec: BatchSpec | None = None
         self.failed = False
         self.stats = ChannelStats()
@@ -173,14 +205,19 @@ class DeviceRing:
             try:
                 self._run_producer()
             finally:  # by the thread that reads it, also when close() stopped waiting for it
-                self._source.close()
+                try:
+                    self._source.close()
+                finally:  # (an interrupted Thread.join marks a live thread ended: not this)
+                    self._ended = True
+                    self._running.release()
 
     def _run_producer(self) -> None:
         try:
             start = self._source.position
-            first = next(self._source)
+            first = self._read()
             self.spec = BatchSpec.of(first)
-            self._spec_ready.set()
+            self._spec_known = True
+            self._spec_pending.release()
             pending = [first]
             layouts = self._plan(self.spec, start)
             head = list(itertools.islice(layouts, 3))
@@ -195,14 +232,20 @@ class DeviceRing:
                 if self.stack and (not staging or len(staging[0]) < _steps(layout)):
                     capacity = max(capacity, _steps(layout))
                     staging = self._allocate(capacity)
-                chunk, leftover = self._build(layout, pending, staging)
-                self._ready.put(chunk)
-                pending = []
+                leftover, pending = self._build(layout, pending, staging)
         except _Stopped:
             return
         except BaseException as error:  # delivered to the consumer, raised there
-            self._spec_ready.set()
             self._ready.put(_Failure(error, error.__traceback__))
+            if not self._spec_known:
+                self._spec_known = True
+                self._spec_pending.release()
+
+    def _read(self) -> Any:
+        batch = next(self._source)
+        self.stats.batches += 1
+        self.last_progress = time.monotonic()
+        return batch
 
     def _acquire_slot(self) -> list[np.ndarray] | None:
         """A free slot's staging buffers (``[]`` if not allocated yet); ``None`` once stopped."""
@@ -212,13 +255,13 @@ class DeviceRing:
                 staging = self._free.get(timeout=0.05)
                 break
             except queue.Empty:
-                if self._stop.is_set():
+                if self._stopped:
                     return None
         self.stats.slot_wait_s += time.perf_counter() - t0
-        with self._in_use_lock:
+        with self._lock:
             self._in_use += 1
             self.stats.max_chunks_on_device = max(self.stats.max_chunks_on_device, self._in_use)
-        return None if self._stop.is_set() else (staging or [])
+        return None if self._stopped else (staging or [])
 
     def _allocate(self, steps: int) -> list[np.ndarray]:
         spec = self.spec
@@ -227,71 +270,109 @@ class DeviceRing:
 
     def _build(
         self, layout: Layout, pending: list[Any], staging: list[np.ndarray]
-    ) -> tuple[tuple[Chunk, list[np.ndarray]], Layout]:
-        """Fill ``staging`` per ``layout``, put it on the device; returns the pieces left over.
+    ) -> tuple[Layout, list[Any]]:
+        """Fill ``staging`` per ``layout``, put it on the device and queue it (unless the
+        consumer cut it short and took it, see :meth:`_cut`): returns the pieces left over and
+        the batches read for them.
 
         A chunk goes out early, after any complete piece, when the consumer is already waiting
-        or when it is the first (so a slow pipeline does not hold back calls that could run).
-        If reading fails, the pieces completed so far still go out before the error. The whole
-        staging buffer is always transferred, so executables see one chunk shape.
+        or when it is the first; and a consumer that starts waiting while the producer is
+        inside the dataset takes the complete pieces itself. So a slow batch never holds back
+        a call whose batches were all read. If reading fails, the pieces completed so far still
+        go out before the error. The whole staging buffer is always transferred, so executables
+        see one chunk shape.
         """
-        t0 = time.perf_counter()
         spec = self.spec
         assert spec is not None
-        pieces: list[Piece] = []
-        batches: list[Any] = []  # unstacked rings
-        filled = 0
+        build = _Build(staging, time.perf_counter())
+        with self._lock:
+            self._building = build
+        pending = collections.deque(pending)
         try:
             for piece_steps, ends_call in layout:
                 for _ in range(piece_steps):
                     where = self._source.position
-                    batch = pending[filled] if filled < len(pending) else next(self._source)
-                    leaves = check(spec, batch, where)
-                    if self.stack:
-                        for buffer, leaf in zip(staging, leaves, strict=True):
-                            buffer[filled] = leaf
-                    else:  # own copies: the dataset may refill its arrays when it runs again
-                        copies = [owned_copy(leaf) for leaf in leaves]
-                        batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
-                    filled += 1
-                    if self._stop.is_set():
+                    batch = pending.popleft() if pending else self._read()
+                    leaves = batch.leaves if isinstance(batch, _Row) else check(spec, batch, where)
+                    with self._lock:
+                        if build.taken is not None:  # the batch starts the next chunk
+                            self._building = None
+                            return layout[build.taken :], [*build.carry, batch, *pending]
+                        if self.stack:
+                            for buffer, leaf in zip(staging, leaves, strict=True):
+                                buffer[build.filled] = leaf
+                        else:  # own copies: the dataset may refill its arrays when it runs again
+                            copies = [owned_copy(leaf) for leaf in leaves]
+                            build.batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
+                        build.filled += 1
+                    if self._stopped:
                         raise _Stopped
                 source = self._source
-                pieces.append(Piece(piece_steps, ends_call, source.position, source.get_state()))
-                if self.stats.chunks == 0 or (
-                    self._consumer_waiting.is_set() and self._ready.empty()
-                ):
-                    break
+                piece = Piece(piece_steps, ends_call, source.position, source.get_state())
+                with self._lock:
+                    if build.taken is not None:
+                        self._building = None
+                        return layout[build.taken :], [*build.carry, *pending]
+                    build.pieces.append(piece)
+                    if self.stats.chunks == 0 or (self._consumer_waiting and self._ready.empty()):
+                        break
+            with self._lock:
+                self._building = None
+                if build.taken is not None:
+                    return layout[build.taken :], [*build.carry, *pending]
+                self._ready.put(self._transfer(build))  # under the lock: no cut overtakes it
         except _Stopped:
             raise
         except BaseException:
-            if pieces:
-                self._ready.put(self._transfer(pieces, staging, batches, t0))
+            with self._lock:
+                self._building = None
+                if build.pieces and build.taken is None:
+                    self._ready.put(self._transfer(build))
             raise
-        return self._transfer(pieces, staging, batches, t0), layout[len(pieces) :]
+        return layout[len(build.pieces) :], list(pending)
 
-    def _transfer(
-        self, pieces: list[Piece], staging: list[np.ndarray], batches: list[Any], t0: float
-    ) -> tuple[Chunk, list[np.ndarray]]:
+    def _transfer(self, build: _Build) -> tuple[Chunk, list[np.ndarray]]:
+        """``build``'s complete pieces as a chunk on the device; under ``_lock``."""
         spec = self.spec
         assert spec is not None
-        steps = sum(piece.steps for piece in pieces)
+        steps = sum(piece.steps for piece in build.pieces)
         if self.stack:
-            tree = jax.tree_util.tree_unflatten(spec.treedef, staging)
+            tree = jax.tree_util.tree_unflatten(spec.treedef, build.staging)
             data = placement.put(tree, self._sharding)
             jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
         else:
-            data = tuple(batches[:steps])
-        self.stats.batches += steps
+            data = tuple(build.batches[:steps])
         self.stats.chunks += 1
         self.stats.bytes += steps * spec.nbytes
-        self.stats.busy_s += time.perf_counter() - t0
-        return Chunk(data, tuple(pieces)), staging
+        self.stats.busy_s += time.perf_counter() - build.t0
+        return Chunk(data, tuple(build.pieces)), build.staging
 
     # -- consumer side -------------------------------------------------------------------
+    def _cut(self) -> tuple[Chunk, list[np.ndarray]] | None:
+        """The complete pieces of the chunk being built, taken by the waiting consumer (the
+        producer carries the batches it read past them over to its next chunk); or ``None``."""
+        with self._lock:
+            build = self._building
+            taken = build is None or build.taken is not None
+            if taken or not build.pieces or not self._ready.empty():
+                return None
+            build.taken = len(build.pieces)
+            steps = sum(piece.steps for piece in build.pieces)
+            if self.stack:  # rows past the pieces, copied before the slot can be reused
+                rows = [
+                    _Row([np.array(b[i]) for b in build.staging])
+                    for i in range(steps, build.filled)
+                ]
+            else:
+                rows = [_Row(jax.tree.leaves(batch)) for batch in build.batches[steps:]]
+            build.carry = rows
+            return self._transfer(build)
+
     def first_spec(self, timeout: float) -> BatchSpec:
         """The spec of the first batch, waiting for it up to ``timeout`` seconds."""
-        if not self._spec_ready.wait(timeout):
+        if not self._spec_known and self._spec_pending.acquire(timeout=timeout):
+            self._spec_pending.release()
+        if not self._spec_known:
             raise SinkTimeoutError(f"No first batch arrived within {timeout:.1f} s.")
         if self.spec is None:
             failure = self._ready.get()
@@ -301,14 +382,16 @@ class DeviceRing:
         return self.spec
 
     def get(self, timeout: float) -> Chunk:
-        """The next chunk; re-raises a producer error; ``SinkTimeoutError`` after ``timeout``."""
-        self._consumer_waiting.set()
+        """The next chunk; re-raises a producer error; ``SinkTimeoutError`` once the producer
+        has read no batch for ``timeout`` seconds; ``SinkClosedError`` once closed."""
+        self._consumer_waiting = True
         try:
-            item = self._ready.get(timeout=timeout)
-        except queue.Empty:
-            raise SinkTimeoutError(f"No data arrived within {timeout:.1f} s.") from None
+            item = self._wait(timeout)
         finally:
-            self._consumer_waiting.clear()
+            self._consumer_waiting = False
+        if isinstance(item, _Closed):
+            self._ready.put(item)
+            raise SinkClosedError("The sink was closed while a call waited for its data.")
         if isinstance(item, _Failure):
             self.failed = True
             self._ready.put(item)  # every later call fails the same way
@@ -317,9 +400,27 @@ class DeviceRing:
         self._handed_out.append(staging)
         return chunk
 
+    def _wait(self, timeout: float) -> Any:
+        try:
+            return self._ready.get_nowait()
+        except queue.Empty:
+            pass
+        cut = self._cut()
+        if cut is not None:
+            return cut
+        start = time.monotonic()
+        while True:  # the wait starts again whenever a batch arrives
+            left = max(self.last_progress, start) + timeout - time.monotonic()
+            if left <= 0:
+                raise SinkTimeoutError(f"No data arrived within {timeout:.1f} s.")
+            try:
+                return self._ready.get(timeout=left)
+            except queue.Empty:
+                pass
+
     def release(self) -> None:
         """The oldest handed-out chunk's compute has finished: its slot is free again."""
-        with self._in_use_lock:
+        with self._lock:
             self._in_use -= 1
         self._free.put(self._handed_out.popleft())
 
@@ -328,13 +429,24 @@ class DeviceRing:
 
         The producer stops between two batches; one blocked inside the dataset's ``next`` stays
         until that returns (a daemon thread: it never holds up the interpreter's exit), then
-        closes the source and ends.
+        closes the source and ends. A call waiting in :meth:`get` fails with
+        :class:`~sinkax.errors.SinkClosedError`.
         """
-        self._stop.set()
-        self._thread.join(timeout)
+        self._stopped = True
+        self._ready.put(_Closed())  # wakes a waiting consumer now, not after the join
+        waits = threading.current_thread() is not self._thread  # (collected in its own thread)
+        if waits and not self._ended and self._running.acquire(timeout=timeout):
+            self._running.release()
         while not self._ready.empty():
             self._ready.get_nowait()
-        return not self._thread.is_alive()
+        self._ready.put(_Closed())
+        return self._ended
+
+
+def _held_lock() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 def _steps(layout: Layout) -> int:
@@ -343,3 +455,14 @@ def _steps(layout: Layout) -> int:
 
 class _Stopped(Exception):
     """The ring was closed while a chunk was being built."""
+
+
+class _Closed:
+    """Queued by :meth:`DeviceRing.close`: wakes a waiting consumer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """A batch already checked, as its leaves: read into a chunk the consumer cut short."""
+
+    leaves: list[np.ndarray]

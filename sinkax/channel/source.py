@@ -277,9 +277,13 @@ class IterableSource:
 
 
 def snapshot(source: Source) -> dict[str, Any]:
-    """Where ``source`` stands: ``{"epoch", "step", "source": its state}``, JSON-friendly."""
+    """Where ``source`` stands: ``{"epoch", "step", "source": its state}``, JSON-friendly, with
+    ``"epoch_length"`` when known (a resume onto another epoch length is refused)."""
     position = source.position
-    return {"epoch": position.epoch, "step": position.step, "source": source.get_state()}
+    state = {"epoch": position.epoch, "step": position.step, "source": source.get_state()}
+    if source.epoch_length is not None:
+        state["epoch_length"] = source.epoch_length
+    return state
 
 
 def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> Source:

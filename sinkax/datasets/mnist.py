@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import gzip
+import math
 import os
+import zlib
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
@@ -78,7 +80,15 @@ def read_idx(path: str | os.PathLike[str], magic: int) -> np.ndarray:
     [1, 2, 3]
     """
     path = Path(path)
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as error:  # not gzip, truncated, corrupt
+            raise ValueError(
+                f"{path}: not a valid gzip file ({type(error).__name__}: {error}); download it "
+                "again, or give the uncompressed IDX file without the .gz suffix"
+            ) from None
     if len(raw) < 4:
         raise ValueError(f"{path}: not an IDX file (only {len(raw)} bytes)")
     found = int.from_bytes(raw[:4], "big")
@@ -89,7 +99,7 @@ def read_idx(path: str | os.PathLike[str], magic: int) -> np.ndarray:
     if len(raw) < header_size:
         raise ValueError(f"{path}: truncated header ({len(raw)} of {header_size} bytes)")
     dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
-    expected = header_size + int(np.prod(dims))
+    expected = header_size + math.prod(dims)  # (exact: no overflow for huge dimensions)
     if len(raw) != expected:
         problem = "truncated" if len(raw) < expected else "has trailing bytes"
         raise ValueError(

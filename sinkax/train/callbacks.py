@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import tempfile
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -314,11 +316,26 @@ def _layout_mismatch(saved: list[list[Any]], current: list[list[Any]]) -> list[s
     return problems
 
 
+def _finite(tree: Any) -> bool:
+    """Whether every float leaf of ``tree`` is finite (checked on the device, one bool read).
+
+    >>> _finite({"w": np.array([1.0, np.nan])}), _finite({"step": 3})
+    (False, True)
+    """
+    checks = [
+        jnp.all(jnp.isfinite(leaf))
+        for leaf in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+    ]
+    return bool(jnp.all(jnp.stack(checks))) if checks else True
+
+
 class ModelCheckpoint(Callback):
     """Saves the train state and the data position with orbax every ``save_every_epochs``,
     and, as MindSpore's does, at the end of training if its last epoch was not saved yet --
     unless a callback stopped the run (``TerminateOnNaN``): then the last checkpoint saved is
-    the one to resume from.
+    the one to resume from. A state with a non-finite float is never saved (a warning says
+    so), so the latest checkpoint, and the ``keep_last`` kept, are all finite.
 
     Each checkpoint (named by the global step) holds params, optimizer state, step, epoch and
     the sink's ``data_state()``; the last ``keep_last`` are kept. Resume with
@@ -364,6 +381,8 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, run: RunContext) -> None:
         try:  # before any training, not at the first save
             os.makedirs(self.directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.directory):  # an existing one may be read-only
+                pass
         except OSError as error:
             raise ValueError(
                 f"ModelCheckpoint cannot write to {self.directory} ({error.strerror}): give a "
@@ -380,12 +399,23 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, run: RunContext) -> None:
         self._completed = run.epoch
         if run.epoch % self.save_every_epochs == 0:
-            self.save(run)
+            self._save_if_finite(run)
 
     def on_train_end(self, run: RunContext) -> None:
         # not after a stop request: that may be TerminateOnNaN's, and the state not worth keeping
         if not run.stop_requested and self._completed == run.epoch and self._saved != run.step:
+            self._save_if_finite(run)
+
+    def _save_if_finite(self, run: RunContext) -> None:
+        if _finite(run.state):
             self.save(run)
+        else:
+            warnings.warn(
+                f"ModelCheckpoint did not save step {run.step} (epoch {run.epoch}): its state is "
+                "not finite (NaN or inf); the checkpoints saved before it are kept.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __exit__(self, *exc: object) -> None:
         self._close()  # pending writes finish, also when training failed after a save

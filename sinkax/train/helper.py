@@ -191,6 +191,7 @@ class _HostFeed:
         self.pending: Any = _NO_STATE  # the batch handed out last
         self.pending_position = self.committed  # where the batch after it comes from
         self.stepped = True  # whether the network's step on `pending` has finished
+        self._reading = False  # a pull is under way: the source may be past `committed`
 
     @property
     def step(self) -> int:
@@ -202,9 +203,13 @@ class _HostFeed:
     def pull(self) -> Any:
         """The batch to step on next: a new one, or again the last if its step did not finish."""
         if self.stepped:
-            self.pending = next(self._source)
-            self.pending_position = snapshot(self._source)
-            self.stepped = False
+            if self._reading:  # a pull was interrupted after reading: read that batch again
+                move_to(self._source, self.committed)
+            self._reading = True
+            batch = next(self._source)
+            position = snapshot(self._source)
+            self.pending, self.pending_position, self.stepped = batch, position, False
+            self._reading = False  # (no call since the stores: no Ctrl-C in between)
         return self.pending
 
     def take(self) -> Any:
@@ -283,21 +288,23 @@ class _HostNet:
             window = with_leading_axis(placement.put(batch, self._sharding))
         else:  # "step": XLA takes the host batch at dispatch, as a plain jitted step does
             window = (batch,)
-        guarded = False  # as in Sink.__call__
+        guarded, donated = False, None  # as in Sink.__call__
         try:
             if state is _NO_STATE:
                 out = self._stateless.run((), window, 0, 1)[1]
             else:
                 if state is not self._returned:  # (device_put walks the tree: ~80 µs a state)
                     state = placement.place_state(state, self._sharding)
+                donated = state
                 guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
                 out = self._stateful.run(state, window, 0, 1)
                 self._returned = out[0]
             guarded = interrupt.guard(interrupt.DISPATCHED)  # hold Ctrl-C to the return
+            donated = None
             del state, batch, window  # freed (µs) while a Ctrl-C is held, not after the guard
             interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
         except BaseException:
-            if guarded:
+            if guarded or interrupt.GUARD.state is donated:  # (a Ctrl-C as guard() returned)
                 interrupt.GUARD.state = None
             raise
         # No call from here on (see Sink.__call__): the step's output and the data position
