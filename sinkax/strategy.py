@@ -45,6 +45,7 @@ Array([1., 3., 6.], dtype=float32)
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 import time
@@ -93,7 +94,7 @@ class Strategy(Protocol):
         """``(state, outs)`` after batches ``offset .. offset+steps``; ``state`` is donated."""
 
 
-class Windowed:
+class Windowed(abc.ABC):
     """A strategy that runs a window through the carry ``(state, outs, i, j)`` of
     :func:`~sinkax.executable.step_program` (batch ``i`` into row ``j`` of ``outs``), so that
     :class:`Auto` can run one window partly with each candidate.
@@ -108,14 +109,17 @@ class Windowed:
         self._fn, self._compiler = fn, compiler
         self._last: tuple[Any, ...] = (None,) * 5  # state out, chunk, steps, exe, one output
 
+    @abc.abstractmethod
     def dispatches(self, steps: int) -> int:
-        raise NotImplementedError
+        """Executables dispatched to run a window of ``steps``."""
 
+    @abc.abstractmethod
     def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
-        raise NotImplementedError
+        """The compiled program for ``carry``'s layout; runs nothing."""
 
+    @abc.abstractmethod
     def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
-        raise NotImplementedError
+        """``carry`` after the next ``n`` steps, run by ``executable``."""
 
     def start(
         self, state: Any, chunk: Any, offset: int, steps: int, out: Any = None

@@ -14,6 +14,7 @@ host once per call and writes one row per step to a :class:`MetricWriter`:
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,18 +25,18 @@ import numpy as np
 from sinkax.train.callbacks import Callback, RunContext, _optional
 
 
-class MetricWriter:
+class MetricWriter(abc.ABC):
     """Writes named scalars at a step; a context manager that closes itself.
 
     Subclasses override :meth:`write_scalars` (and :meth:`flush`, :meth:`close` if they hold
     a resource).
     """
 
+    @abc.abstractmethod
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """Record ``scalars`` (name -> number) as of global step ``step``."""
-        raise NotImplementedError
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 (optional: a writer that buffers nothing has none)
         """Make everything written so far visible (to files, to the console)."""
 
     def close(self) -> None:
