@@ -36,7 +36,8 @@ SINK_SIZE = 50
 def train_in_a_sink(apply: StatefulApply, params, model_state, rng, steps, writer):
     """``steps`` train steps, ``SINK_SIZE`` per call; returns the final TrainState."""
     optimizer = optax.adamw(1e-3)
-    state = TrainState.create(params, optimizer, model_state=model_state, rng=rng)
+    params, model_state, rng = jax.tree.map(lambda x: x.copy(), (params, model_state, rng))
+    state = TrainState.create(params, optimizer, model_state=model_state, rng=rng)  # donated
     train_step = make_train_step(apply, cross_entropy, optimizer)
     sink_size = min(steps, SINK_SIZE)
     with sinkax.data_sink(train_step, lenet_mnist(32, "train"), sink_size) as sink:
