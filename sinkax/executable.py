@@ -69,10 +69,10 @@ def out_shape(fn: StepFn, state: Any, chunk: Any) -> Any:
     return jax.eval_shape(fn, state, batch)[1]
 
 
-def empty_outs(out: Any, steps: int, zeros: Callable[..., Any] = jnp.zeros) -> Any:
-    """``zeros`` for ``steps`` stacked outputs ``out`` (see :func:`out_shape`): the buffer a
+def empty_outs(out: Any, steps: int) -> Any:
+    """Zeros for ``steps`` stacked outputs ``out`` (see :func:`out_shape`): the buffer a
     window fills."""
-    return jax.tree.map(lambda o: zeros((steps, *o.shape), o.dtype), out)
+    return jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype), out)
 
 
 def scan_program(fn: StepFn, steps: int) -> Callable[..., tuple[Any, Any]]:
