@@ -116,8 +116,8 @@ def check_batches(numbers, expected: int, counts) -> int:
 
 
 def slots_accounted(sink, timeout: float = 10.0) -> bool:
-    ring, deadline = sink._ring, time.monotonic() + timeout
-    while ring._ready.qsize() + len(ring._handed_out) < sink.prefetch + 1:
+    ring, deadline = sink._cursor.ring, time.monotonic() + timeout
+    while ring._ready.qsize() + len(ring._handed_out) < sink.config.prefetch + 1:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)

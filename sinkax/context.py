@@ -76,6 +76,21 @@ def get_context(key: str | None = None) -> Any:
     return dataclasses.replace(_context) if key is None else getattr(_context, key)
 
 
+def sink_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of :func:`sinkax.data_sink` with what the context decides filled in: ``jit``
+    from the mode, ``save_graphs`` from the folder (the device: see :func:`set_context`, which
+    makes it JAX's default device).
+
+    >>> sink_options({"jit": None, "prefetch": 1})
+    {'jit': True, 'prefetch': 1, 'save_graphs': None}
+    """
+    return {
+        **options,
+        "jit": jit_enabled(options.get("jit")),
+        "save_graphs": options.get("save_graphs") or graphs_folder(),
+    }
+
+
 def jit_enabled(jit: bool | None) -> bool:
     """``jit`` if given, else whether the context is in ``GRAPH_MODE``."""
     return _context.mode == GRAPH_MODE if jit is None else jit

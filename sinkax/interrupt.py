@@ -7,7 +7,8 @@ guarded state is still alive (nothing was donated yet: the call stops cleanly), 
 it has been donated: the call then finishes and returns, and the held signal goes to its handler
 at :func:`deliver_held` -- the start of the next call, or ``close()``. Once its steps have run,
 every call guards :data:`DISPATCHED` (hold whatever comes) up to its return, so that its results
-and its new data position reach the caller together.
+and its new data position reach the caller together. A call runs that sequence through one
+:class:`Handoff`.
 
 :func:`guard` installs a SIGINT handler that passes every signal it does not hold to the handler
 it replaced (Python's ``default_int_handler``, a notebook kernel's, a user's), and puts itself
@@ -20,12 +21,10 @@ before the result is stored. A Ctrl-C arriving in the call's last few bytecodes 
 whole dispatch, here a few bytecodes long.
 
 >>> import jax.numpy as jnp
->>> state = jnp.zeros(2)
->>> guard(state)
-True
->>> guard(DISPATCHED)  # the steps have run: hold any Ctrl-C
-True
->>> GUARD.state = None  # what a call does last, a plain store: nothing can interrupt it
+>>> handoff = Handoff()
+>>> handoff.donating(jnp.zeros(2))  # the next dispatch donates it
+>>> handoff.dispatched()  # the steps have run: hold any Ctrl-C until the return
+>>> handoff.state = None  # what a call does last, a plain store: nothing can interrupt it
 >>> release()
 """
 
@@ -42,12 +41,22 @@ from sinkax.pytree import deleted_leaf
 
 
 class _Guard:
-    __slots__ = ("held", "previous", "state")
+    __slots__ = ("_state", "held", "previous")
 
     def __init__(self) -> None:
-        self.state: Any = None  # what a running call may donate, DISPATCHED once it has; or None
+        self._state: Any = None  # a state, DISPATCHED, a Handoff, or None
         self.held = False  # a Ctrl-C arrived and was held, for deliver_held()
         self.previous: Any = None  # the handler ours replaced, and passes signals on to
+
+    @property
+    def state(self) -> Any:
+        """What a running call may donate, :data:`DISPATCHED` once it has; or ``None``."""
+        state = self._state
+        return state.state if isinstance(state, Handoff) else state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._state = state
 
 
 GUARD = _Guard()
@@ -69,8 +78,9 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 def guard(state: Any) -> bool:
-    """Hold Ctrl-C once ``state`` is donated (at once for :data:`DISPATCHED`), until the caller
-    stores ``GUARD.state = None``.
+    """Hold Ctrl-C once ``state`` is donated (at once for :data:`DISPATCHED`; for a
+    :class:`Handoff`, as its ``state`` says), until the caller stores ``GUARD.state = None`` (or
+    the handoff's ``state = None``).
 
     Returns whether the guard opened, and so whether that caller must close it: not off the main
     thread (another thread's call must not close the main thread's guard), nor where SIGINT has
@@ -124,12 +134,45 @@ def held() -> Iterator[None]:
     >>> with held():
     ...     pass
     """
-    outer = GUARD.state
+    outer = GUARD._state
     opened = guard(DISPATCHED)
     try:
         yield
     finally:
         if opened:
             GUARD.state = outer
-            if outer is None:
+            if GUARD.state is None:
                 deliver_held()
+
+
+class Handoff:
+    """One call's Ctrl-C hand-off: what :func:`guard` guards for it, as a token the call owns.
+
+    :meth:`donating` before the dispatch that donates the caller's state; :meth:`dispatched`
+    once every step has run, then whatever takes time (freeing the last state) and
+    :func:`checkpoint`; :meth:`failed` in the error path. The call closes the guard as its last
+    step with the plain store ``handoff.state = None``: a call there would be a point where a
+    Ctrl-C is raised after the guard closed and before the results reach the caller. A Ctrl-C
+    that arrives meanwhile stops the call while the state is alive, and is held for
+    :func:`deliver_held` once it was donated or once the steps ran. Off the main thread nothing
+    is guarded (only the main thread receives ``KeyboardInterrupt``).
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: Any = None  # what the call may donate, DISPATCHED once it has; or None
+
+    def donating(self, state: Any) -> None:
+        """The next dispatch donates ``state``: hold a Ctrl-C from then on."""
+        self.state = state
+        guard(self)
+
+    def dispatched(self) -> None:
+        """Every step has run: hold any Ctrl-C until the guard is closed."""
+        self.state = DISPATCHED
+        guard(self)
+
+    def failed(self) -> None:
+        """Close the guard on the error path."""
+        self.state = None

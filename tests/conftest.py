@@ -147,7 +147,7 @@ def ctrl_c_at_check(k, function=None, also=()):
 def assert_no_slot_leaked(sink, timeout=10.0):
     """Every device slot of ``sink``'s ring is queued or handed out once its producer (over an
     endless dataset) has filled them all: none went missing."""
-    ring, deadline = sink._ring, time.monotonic() + timeout
-    while ring._ready.qsize() + len(ring._handed_out) < sink.prefetch + 1:
+    ring, deadline = sink._cursor.ring, time.monotonic() + timeout
+    while ring._ready.qsize() + len(ring._handed_out) < sink.config.prefetch + 1:
         assert time.monotonic() < deadline, "a device slot leaked"
         time.sleep(0.002)

@@ -26,7 +26,7 @@ def _affinity(tid):
 
 def _producer(sink):
     (thread,) = [t for t in threading.enumerate() if t.name == "sinkax-producer"]
-    assert sink._ring._thread is thread
+    assert sink._cursor.ring._thread is thread
     return thread.native_id
 
 

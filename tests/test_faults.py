@@ -224,7 +224,7 @@ def test_resuming_onto_a_dataset_of_another_epoch_length_is_refused(kind):
 
 
 def test_a_call_longer_than_memory_allows_is_planned_lazily():
-    from sinkax.sink import plan_chunks
+    from sinkax.channel.plan import plan_chunks
 
     layouts = plan_chunks(itertools.repeat(10**15), max_steps=1)
     assert list(itertools.islice(layouts, 2)) == [[(1, False)], [(1, False)]]
@@ -251,7 +251,7 @@ def test_max_chunk_bytes_that_is_no_byte_count_is_refused(bad):
 def test_a_device_may_be_a_platform_name_and_anything_else_is_refused():
     data = indexed_map_dataset(8, 2, seed=None)
     with sinkax.data_sink(collect_index, data, 2, device="cpu") as sink:
-        assert sink.sharding.device_set == {jax.devices("cpu")[0]}
+        assert sink.config.sharding.device_set == {jax.devices("cpu")[0]}
         _, outs = sink(jnp.int32(0))
     assert batch_numbers(outs) == [0, 1]
     with pytest.raises(ValueError, match="target name"):

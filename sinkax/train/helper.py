@@ -33,10 +33,13 @@ from typing import Any
 from sinkax import context, interrupt, placement
 from sinkax import strategy as strategies
 from sinkax.backend import backend_of
+from sinkax.channel.position import move_to
 from sinkax.channel.source import as_source, snapshot
+from sinkax.config import check_sink_size
 from sinkax.errors import SinkClosedError
 from sinkax.executable import Compiler, stateless, with_leading_axis
-from sinkax.sink import _NO_STATE, Sink, SinkStats, check_sink_size, data_sink, move_to
+from sinkax.execution.executor import NO_STATE
+from sinkax.sink import Sink, SinkStats, data_sink
 
 
 class DatasetHelper:
@@ -188,7 +191,7 @@ class _HostFeed:
                 self._source.close()
                 raise
         self.committed = snapshot(self._source)  # where the next batch to step on comes from
-        self.pending: Any = _NO_STATE  # the batch handed out last
+        self.pending: Any = None  # the batch handed out last
         self.pending_position = self.committed  # where the batch after it comes from
         self.stepped = True  # whether the network's step on `pending` has finished
         self._reading = False  # a pull is under way: the source may be past `committed`
@@ -280,7 +283,7 @@ class _HostNet:
         self._stateless = strategies.make(name, stateless(fn), compiler, batches_alike=False)
         self._returned: Any = None  # the state the last step returned: on the device already
 
-    def __call__(self, state: Any = _NO_STATE) -> Any:
+    def __call__(self, state: Any = NO_STATE) -> Any:
         interrupt.deliver_held()
         feed = self._feed
         batch = feed.take()
@@ -288,28 +291,24 @@ class _HostNet:
             window = with_leading_axis(placement.put(batch, self._sharding))
         else:  # "step": XLA takes the host batch at dispatch, as a plain jitted step does
             window = (batch,)
-        guarded, donated = False, None  # as in Sink.__call__
+        handoff = interrupt.Handoff()  # as in Sink.__call__
         try:
-            if state is _NO_STATE:
+            if state is NO_STATE:
                 out = self._stateless.run((), window, 0, 1)[1]
             else:
                 if state is not self._returned:  # (device_put walks the tree: ~80 µs a state)
                     state = placement.place_state(state, self._sharding)
-                donated = state
-                guarded = interrupt.guard(state)  # the step donates it: hold a later Ctrl-C
+                handoff.donating(state)  # the step donates it: hold a later Ctrl-C
                 out = self._stateful.run(state, window, 0, 1)
                 self._returned = out[0]
-            guarded = interrupt.guard(interrupt.DISPATCHED)  # hold Ctrl-C to the return
-            donated = None
+            handoff.dispatched()  # hold Ctrl-C to the return
             del state, batch, window  # freed (µs) while a Ctrl-C is held, not after the guard
             interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
         except BaseException:
-            if guarded or interrupt.GUARD.state is donated:  # (a Ctrl-C as guard() returned)
-                interrupt.GUARD.state = None
+            handoff.failed()
             raise
-        # No call from here on (see Sink.__call__): the step's output and the data position
-        # reach the caller together.
+        # A Ctrl-C from here on is held (see Sink.__call__): the step's output and the data
+        # position reach the caller together.
         feed.committed, feed.stepped = feed.pending_position, True
-        if guarded:
-            interrupt.GUARD.state = None
+        handoff.state = None  # a store, no call: see interrupt.Handoff
         return out

@@ -1,0 +1,268 @@
+"""The cursor: a sink's data position, and the ring that reads ahead of it.
+
+The cursor hands out the pieces of the ring's chunks one call at a time and knows two
+positions: where the ring has read to (handed out) and where the caller has been given results
+up to (*committed*, what ``Sink.data_state()`` reports). A call that takes data and does not
+deliver its results leaves the cursor out of step; the next call first rewinds the ring to the
+committed position (a *resync*), so no batch is skipped and none repeated.
+
+>>> import jax, numpy as np
+>>> from sinkax.channel.source import as_source
+>>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+>>> cursor = Cursor(as_source([{"x": np.float32(i)} for i in range(3)]), 2, sharding=sharding)
+>>> data, piece, offset = cursor.next_piece()
+>>> data["x"][offset : offset + piece.steps].tolist(), piece.ends_call
+([0.0, 1.0], True)
+>>> cursor.ran(piece, data); cursor.commit(piece, busy_s=0.0); (cursor.epoch, cursor.step)
+(0, 2)
+>>> cursor.close(running=False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from sinkax import interrupt, placement
+from sinkax.channel.plan import plan
+from sinkax.channel.position import check_data_state, move_to
+from sinkax.channel.ring import Chunk, DeviceRing, Piece
+from sinkax.channel.source import Source, snapshot
+from sinkax.errors import SinkTimeoutError
+from sinkax.spec import BatchSpec
+
+
+def _now(take: Callable[[], Chunk]) -> Chunk:
+    return take()
+
+
+class Cursor:
+    """The data position of a sink over ``source``: ``sink_size`` steps per call (``-1``: the
+    rest of the epoch), fed by a :class:`~sinkax.channel.ring.DeviceRing` of ``prefetch + 1``
+    chunks of at most ``max_chunk_bytes`` placed by ``sharding`` (of one batch), stacked unless
+    ``stacked=False``; starting at ``data_state`` if given. Owns ``source`` from then on.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        sink_size: int,
+        *,
+        sharding: jax.sharding.Sharding,
+        prefetch: int = 2,
+        max_chunk_bytes: int = 256 << 20,
+        timeout: float = 60.0,
+        stacked: bool = True,
+        data_state: dict[str, Any] | None = None,
+    ):
+        self._source, self._sharding, self._stacked = source, sharding, stacked
+        self._plan = functools.partial(plan, sink_size, source.epoch_length, max_chunk_bytes)
+        self.prefetch, self.timeout = prefetch, timeout
+        if data_state is not None:
+            move_to(source, data_state)
+        self._committed = snapshot(source)
+        self._chunk: Chunk | None = None  # being consumed, piece by piece
+        self._piece = self._offset = 0
+        self._in_flight: Any = None  # the outputs of the last window dispatched
+        self._resync = False  # data was taken and not delivered: rewind before the next call
+        self.steps = self.calls = 0
+        self.data_wait_s = self.busy_s = 0.0
+        self._start_ring()
+
+    # -- where the data stands -----------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch (from 0)."""
+        return self._committed["epoch"]
+
+    @property
+    def step(self) -> int:
+        """Step within :attr:`epoch` of the next batch (from 0)."""
+        return self._committed["step"]
+
+    @property
+    def epoch_length(self) -> int | None:
+        """Batches per epoch, when the dataset's length is known."""
+        return self._source.epoch_length
+
+    @property
+    def ring(self) -> DeviceRing:
+        return self._ring
+
+    def data_state(self) -> dict[str, Any]:
+        """The committed position (see ``Sink.data_state``)."""
+        state = dict(self._committed)
+        if self.epoch_length is not None:
+            state["epoch_length"] = self.epoch_length
+        return state
+
+    def first_spec(self) -> BatchSpec:
+        """The layout of every batch, waiting up to ``timeout`` for the first."""
+        return self._ring.first_spec(self.timeout)
+
+    # -- one call ------------------------------------------------------------------------
+    def resync(self) -> None:
+        """Rewind to the committed position if an interrupted call took data it never delivered."""
+        if self._resync:
+            self.rewind(self._committed)
+
+    def next_piece(
+        self, agree: Callable[[Callable[[], Chunk]], Chunk] = _now
+    ) -> tuple[Any, Piece, int]:
+        """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.
+
+        ``agree`` takes the chunk (across processes: once all agree, see
+        :class:`sinkax.distributed.Peers`).
+        """
+        chunk = agree(self._current_chunk)
+        return chunk.data, chunk.pieces[self._piece], self._offset
+
+    def ran(self, piece: Piece, in_flight: Any) -> None:
+        """``piece`` was dispatched; ``in_flight`` are its results (its chunk's slot is freed
+        once they are computed)."""
+        self._in_flight = in_flight
+        self._piece += 1
+        self._offset += piece.steps
+        self.steps += piece.steps
+
+    def commit(self, piece: Piece, busy_s: float) -> None:
+        """The call that ended with ``piece`` delivered its results: its position is committed.
+        No Python call inside (see ``Sink.__call__``)."""
+        self._committed = {
+            "epoch": piece.position.epoch,
+            "step": piece.position.step,
+            "source": piece.source_state,
+        }
+        self.calls += 1
+        self.busy_s += busy_s
+
+    def failed(self, consumed: bool) -> None:
+        """A call failed; if it ``consumed`` data, the next call rewinds first -- unless the
+        producer failed, which every later call reports the same way."""
+        if consumed:
+            self._resync = True
+        if self._ring.failed:
+            self._resync = False
+
+    def _current_chunk(self) -> Chunk:
+        """The chunk holding the next piece, taking the next one when this is used up."""
+        if self._chunk is None or self._piece == len(self._chunk.pieces):
+            # Taking a chunk moves the ring: if anything interrupts this before the chunk is
+            # recorded, the next call rewinds to the committed position (nothing is lost).
+            self._resync = True
+            self._finish_in_flight()  # frees the used-up chunk's slot
+            try:
+                chunk = self._next_chunk()
+            except Exception:  # a timeout or the producer's error: nothing was taken
+                self._resync = False
+                raise
+            self._chunk = chunk
+            self._piece = self._offset = 0
+            self._resync = False
+        return self._chunk
+
+    def _next_chunk(self) -> Chunk:
+        t0 = time.perf_counter()
+        try:
+            return self._ring.get(self.timeout)
+        except SinkTimeoutError:
+            raise SinkTimeoutError(self._timeout_message()) from None
+        finally:
+            self.data_wait_s += time.perf_counter() - t0
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the last dispatched window's compute, then free its chunk's slot.
+
+        An unstacked ring's chunk owns no memory that the ring reuses (the batches were handed
+        over one by one), so its slot is freed without waiting.
+        """
+        if self._in_flight is None:
+            return
+        if self._ring.stack:
+            with contextlib.suppress(RuntimeError):  # outputs donated or deleted: it is over
+                jax.block_until_ready(self._in_flight)
+        self._in_flight = None
+        self._ring.release()
+
+    def _timeout_message(self) -> str:
+        ring = self._ring.stats
+        produced = f"{ring.batches / ring.busy_s:.1f} batches/s" if ring.busy_s else "n/a"
+        consumed = f"{self.steps / self.busy_s:.1f} steps/s" if self.busy_s else "n/a"
+        return (
+            f"The input pipeline delivered no batch for {self.timeout:.1f} s while the sink "
+            f"waited for data (epoch {self.epoch}, step {self.step}). So far it has delivered "
+            f"{ring.batches} batches, at {produced}; the sink consumes {consumed}. The pipeline "
+            "is stuck or very slow per batch: speed it up (grain ReadOptions(num_threads=...), "
+            "batch before heavy transforms, vectorise them), raise `timeout=` if single batches "
+            "can take that long, or iterate the dataset directly (or dataset_sink_mode=False) "
+            "to find the slow sample."
+        )
+
+    # -- the ring ------------------------------------------------------------------------
+    def _start_ring(self) -> None:
+        with interrupt.held():  # a producer started is a producer recorded (and closed)
+            self._ring = DeviceRing(
+                self._source,
+                self._plan,  # holds no reference to the cursor: an unclosed sink is collected
+                prefetch=self.prefetch,
+                sharding=placement.stacked(self._sharding),
+                stack=self._stacked,
+            )
+            self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
+
+    def _stop_ring(self) -> bool:
+        """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
+        self._finish_in_flight()
+        self._chunk = None
+        self._finalizer.detach()
+        return self._ring.close(self.timeout)
+
+    def _stuck_producer(self, doing: str) -> str:
+        return (
+            f"The producer thread is still inside the dataset's iterator {self.timeout:.1f} s "
+            f"after {doing} asked it to stop: the dataset is slow or blocked. The thread is a "
+            "daemon and ends as soon as the dataset returns; a dataset that can block "
+            "indefinitely should time out by itself."
+        )
+
+    def rewind(self, state: dict[str, Any]) -> None:
+        """Continue from the position ``state`` (see ``Sink.data_state``); drops the prefetched
+        chunks. ``ValueError`` if it does not fit the dataset (the cursor then stays where it
+        was); if interrupted, the next :meth:`resync` finishes the rewind to the committed
+        position."""
+        check_data_state(self._source, state)  # before the producer stops: a one-shot
+        # iterator's producer cannot be restarted where it was
+        self._resync = True  # until a producer runs from `_committed` again
+        if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
+            raise SinkTimeoutError(
+                self._stuck_producer("rewinding the data")
+                + " Call again once it has returned, or create a new sink."
+            )
+        try:
+            move_to(self._source, state)
+        except ValueError:  # the cursor stays where it was, its producer running
+            with contextlib.suppress(Exception):
+                self._source.set_state(self._committed["source"])
+            self._start_ring()
+            self._resync = False
+            raise
+        self._committed = snapshot(self._source)
+        self._start_ring()
+        self._resync = False
+
+    def close(self, running: bool) -> None:
+        """Stop the producer and free the device chunks. While a call is ``running`` (in another
+        thread) it owns the chunks: it is only woken (it fails with
+        :class:`~sinkax.SinkClosedError`). Warns if the producer is stuck in the dataset."""
+        if running:
+            self._finalizer.detach()
+            self._ring.close(self.timeout)
+        elif not self._stop_ring():
+            warnings.warn(self._stuck_producer("close()"), RuntimeWarning, stacklevel=3)

@@ -1,0 +1,77 @@
+"""The plan: how many steps each sink call runs, and how calls are grouped into chunks.
+
+A chunk is the unit of transfer; a call runs over a window of one (or, when its data exceeds
+``max_chunk_bytes``, over several consecutive chunks). The producer follows the plan, so nothing
+is read past what the calls ask for (see :func:`plan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from sinkax.channel.source import Position
+from sinkax.spec import BatchSpec
+
+MIN_CHUNK_STEPS = 64
+
+
+def call_sizes(sink_size: int, epoch_length: int | None, start_step: int) -> Iterator[int]:
+    """Steps of successive calls: ``sink_size``, or (for ``-1``) the rest of each epoch.
+
+    >>> from itertools import islice
+    >>> list(islice(call_sizes(-1, 10, start_step=3), 3))
+    [7, 10, 10]
+    """
+    step = start_step
+    while True:
+        yield sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
+        step = 0
+
+
+def plan_chunks(
+    calls: Iterator[int], max_steps: int, min_steps: int = MIN_CHUNK_STEPS
+) -> Iterator[list[tuple[int, bool]]]:
+    """Chunk layouts, each a list of ``(steps, ends_call)`` pieces, for a stream of calls.
+
+    Whole calls share a chunk (one transfer) until it holds ``min_steps``, never more than
+    ``max_steps``; a call longer than ``max_steps`` is split over several chunks.
+
+    >>> from itertools import islice, repeat
+    >>> list(islice(plan_chunks(repeat(5), max_steps=12, min_steps=8), 2))
+    [[(5, True), (5, True)], [(5, True), (5, True)]]
+    >>> list(islice(plan_chunks(repeat(5), max_steps=2), 3))
+    [[(2, False)], [(2, False)], [(1, True)]]
+    """
+    chunk: list[tuple[int, bool]] = []
+    filled = 0  # steps in `chunk`
+    for steps in calls:
+        if steps > max_steps:
+            if chunk:
+                yield chunk
+                chunk, filled = [], 0
+            while steps > max_steps:  # lazily: a call may span more chunks than fit in memory
+                yield [(max_steps, False)]
+                steps -= max_steps
+            yield [(steps, True)]
+            continue
+        if filled + steps > max_steps:
+            yield chunk
+            chunk, filled = [], 0
+        chunk.append((steps, True))
+        filled += steps
+        if filled >= min_steps:
+            yield chunk
+            chunk, filled = [], 0
+
+
+def chunk_steps(max_chunk_bytes: int, spec: BatchSpec) -> int:
+    """Batches of layout ``spec`` that fit in ``max_chunk_bytes`` (at least one)."""
+    return max(1, max_chunk_bytes // max(1, spec.nbytes))
+
+
+def plan(
+    sink_size: int, epoch_length: int | None, max_chunk_bytes: int, spec: BatchSpec, start: Position
+) -> Iterator[list[tuple[int, bool]]]:
+    """The chunk layouts of a sink's calls from position ``start`` on (see :func:`plan_chunks`)."""
+    calls = call_sizes(sink_size, epoch_length, start.step)
+    return plan_chunks(calls, chunk_steps(max_chunk_bytes, spec))

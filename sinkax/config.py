@@ -1,0 +1,141 @@
+"""A sink's configuration: every option of :func:`sinkax.data_sink` checked once, up front.
+
+Nothing here reads :func:`sinkax.set_context`: ``data_sink`` fills what the context decides
+(:func:`sinkax.context.sink_options`) before the configuration is built.
+
+>>> config = SinkConfig.of(100, prefetch=1, device="cpu")
+>>> config.sink_size, config.jit, config.sharding.device_set == {jax.devices("cpu")[0]}
+(100, True, True)
+>>> SinkConfig.of(0)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+ValueError: sink_size must be a positive int (steps per call, ...), got 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import threading
+from typing import Any
+
+import jax
+from jax.sharding import Sharding
+
+from sinkax import placement
+from sinkax.backend import TARGETS, resolve_device
+
+MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
+
+
+def check_sink_size(sink_size: Any) -> int:
+    """``sink_size`` as an int: steps per call (1 to :data:`MAX_SINK_SIZE`), or -1; else a
+    ``ValueError``."""
+    if (
+        isinstance(sink_size, bool)
+        or not isinstance(sink_size, numbers.Integral)
+        or not (0 < sink_size <= MAX_SINK_SIZE or sink_size == -1)
+    ):
+        raise ValueError(
+            f"sink_size must be a positive int (steps per call, at most {MAX_SINK_SIZE}: a "
+            f"call stacks every step's output) or -1 (one epoch per call), got {sink_size!r}."
+        )
+    return int(sink_size)
+
+
+def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
+    check_sink_size(sink_size)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 1:
+        raise ValueError(f"prefetch must be an int >= 1 (chunks ready ahead), got {prefetch!r}.")
+    if not isinstance(timeout, numbers.Real) or not 0 < timeout <= threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"timeout must be seconds > 0 (at most {threading.TIMEOUT_MAX:.3g}), got {timeout!r}."
+        )
+    if (
+        isinstance(max_chunk_bytes, bool)
+        or not isinstance(max_chunk_bytes, numbers.Real)
+        or not 1 <= max_chunk_bytes < math.inf
+    ):
+        raise ValueError(
+            f"max_chunk_bytes must be a number of bytes >= 1, got {max_chunk_bytes!r}."
+        )
+
+
+def default_device() -> jax.Device:
+    """JAX's default device: ``jax_default_device`` when set (``sinkax.set_context`` sets it),
+    else the first local device."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):  # a platform name
+        return jax.local_devices(backend=device)[0]
+    return device or jax.local_devices()[0]
+
+
+def sink_device(device: jax.Device | str) -> jax.Device:
+    """``device``; a target or platform name (``"CPU"``, ``"cpu"``, ``"gpu"``) is its first
+    device.
+
+    >>> sink_device("cpu").platform
+    'cpu'
+    """
+    if isinstance(device, str):
+        for target, platforms in TARGETS.items():
+            if device.lower() in (target.lower(), *platforms):
+                return resolve_device(target)
+        raise ValueError(
+            f"device must be a jax.Device or a target name ({', '.join(TARGETS)}), got {device!r}."
+        )
+    if not isinstance(device, jax.Device):
+        raise TypeError(
+            f"device must be a jax.Device (e.g. jax.devices()[0]) or a target name "
+            f"({', '.join(TARGETS)}), got {type(device).__name__}."
+        )
+    return device
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkConfig:
+    """The checked options of a sink (see :func:`sinkax.data_sink` for each); build it with
+    :meth:`of`."""
+
+    sink_size: int
+    jit: bool
+    strategy: str
+    prefetch: int
+    max_chunk_bytes: int
+    timeout: float
+    sharding: Sharding  # of one batch
+    save_graphs: str | None
+
+    @classmethod
+    def of(
+        cls,
+        sink_size: int = 1,
+        *,
+        jit: bool = True,
+        strategy: str = "auto",
+        prefetch: int = 2,
+        max_chunk_bytes: int = 256 << 20,
+        timeout: float = 60.0,
+        device: jax.Device | str | None = None,
+        sharding: Sharding | None = None,
+        save_graphs: str | os.PathLike[str] | None = None,
+    ) -> SinkConfig:
+        """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
+        _validate(sink_size, prefetch, timeout, max_chunk_bytes)
+        return cls(
+            sink_size=int(sink_size),
+            jit=bool(jit),
+            strategy=strategy,
+            prefetch=int(prefetch),
+            max_chunk_bytes=int(max_chunk_bytes),
+            timeout=float(timeout),
+            sharding=placement.resolve(
+                None if device is None else sink_device(device), sharding, default_device
+            ),
+            save_graphs=None if save_graphs is None else os.fspath(save_graphs),
+        )
+
+    def steps_per_call(self, epoch_length: int | None) -> int | None:
+        """Steps a call runs: ``sink_size``, or for ``-1`` the epoch length."""
+        return self.sink_size if self.sink_size > 0 else epoch_length

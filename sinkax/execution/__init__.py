@@ -1,0 +1,1 @@
+"""How a sink's steps run: the executor, its strategies and compiled programs."""

@@ -1,0 +1,224 @@
+"""The executor: how a sink's steps run -- its strategy, compiled programs and placement.
+
+It resolves the strategy when the sink is made (what ``"auto"`` would measure may be pinned, see
+:func:`sinkax.strategy.pinned`), creates it at the first call, once the step's form is known
+(``sink(state)`` or ``sink()``; an equinox-style state's non-array leaves compiled in), places
+each new state on the sink's devices with the dtypes the step returns it with, and runs windows
+of device-resident chunks.
+
+>>> import jax, jax.numpy as jnp
+>>> from sinkax.spec import BatchSpec
+>>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+>>> executor = Executor(lambda s, b: (s + b, s), sharding, steps_per_call=2, strategy="scan")
+>>> arrays, static = executor.select(jnp.float32(1))
+>>> carry = executor.place(arrays, lambda: BatchSpec.of(jnp.float32(0)))
+>>> state, outs = executor.run(carry, jnp.arange(4.0), offset=1, steps=2)
+>>> float(state), outs.tolist(), executor.strategy_name
+(4.0, [1.0, 2.0], 'scan')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from sinkax import placement
+from sinkax import strategy as strategies
+from sinkax.backend import backend_of
+from sinkax.executable import (
+    Compiler,
+    carry_dtypes,
+    check_step_form,
+    layout,
+    scan_program,
+    stateless,
+    with_static,
+)
+from sinkax.pytree import Static, check_alive, partition
+from sinkax.spec import BatchSpec
+
+NO_STATE: Any = object()  # what a stateless call (``sink()``) passes as its state
+
+
+def recorded_strategy(data_state: Any) -> str | None:
+    """The strategy a saved data position recorded (``ValueError`` if it is not one a position
+    may record), or ``None``."""
+    if not (isinstance(data_state, dict) and "strategy" in data_state):
+        return None
+    strategies.check_recorded(data_state["strategy"])
+    return data_state["strategy"]
+
+
+class Executor:
+    """Runs ``fn`` -- ``fn(state, batch) -> (state, out)``, or stateless ``fn(batch) -> out`` --
+    on windows of chunks placed by ``sharding`` (of one batch), as the strategy called
+    ``strategy`` (see :mod:`sinkax.strategy`; ``recorded``: what a data position recorded)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        sharding: jax.sharding.Sharding,
+        *,
+        steps_per_call: int | None,
+        strategy: str = "auto",
+        jit: bool = True,
+        save_graphs: str | None = None,
+        recorded: str | None = None,
+    ):
+        self.fn, self.jit, self._sharding = fn, jit, sharding
+        self.chosen = strategies.pinned(  # what "auto" would measure
+            strategies.resolve(
+                strategy,
+                jit=jit,
+                steps_per_call=steps_per_call,
+                backend=backend_of(sharding),
+                devices=placement.devices(sharding),
+                processes=jax.process_count(),
+            ),
+            recorded,
+        )
+        self.compiler = Compiler(fn, save_graphs=save_graphs)
+        self.dispatches = 0
+        self._strategy: Any = None
+        self._step: Any = None  # the step function the strategy runs
+        self._reselect = False  # measure at the next call, see reselect()
+        self._stateful: bool | None = None
+        self._static: Static | None = None  # the state's non-array leaves, from the first call
+        self._returned: Any = None  # the state the last call returned (its array part)
+        self._handed_back: Any = (None, None)  # the last returned state, and its array part
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the strategy runs on chunks stacked on the device (the ring's feed)."""
+        return strategies.takes_stacked_chunks(self.chosen)
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy running, or about to."""
+        return self._strategy.name if self._strategy else self.chosen
+
+    @property
+    def recorded(self) -> str | None:
+        """What a data position records of the strategy: the choice of ``"auto"``, once made."""
+        name = getattr(self._strategy, "name", None)
+        return name if name in strategies.RECORDED else None
+
+    @property
+    def timings(self) -> dict[str, float]:
+        timings = getattr(self._strategy, "timings", {})
+        return {k: v for k, v in timings.items() if math.isfinite(v)}
+
+    @property
+    def atomic(self) -> bool:
+        """Whether one window is one dispatch, compiled before it donates the state."""
+        return self._strategy.atomic
+
+    def reselect(self) -> None:
+        """Let ``"auto"`` measure again at the next call (see ``Sink.reselect``)."""
+        if self.chosen != "auto":
+            raise ValueError(
+                f"This sink's strategy is {self.chosen!r}, not chosen by measuring: "
+                "reselect() applies to strategy='auto' (not pinned by strategy=, "
+                f"{strategies.ENV} or a data_state's 'strategy')."
+            )
+        if self._strategy is None:
+            self._reselect = True  # applied once the first call made the strategy
+        else:
+            self._strategy.reselect()
+
+    def pin(self, recorded: str | None) -> None:
+        """Run what a restored data position ``recorded``, where ``"auto"`` would choose."""
+        if recorded is None:
+            return
+        if isinstance(self._strategy, strategies.Auto):
+            self._strategy.pin(recorded)
+        elif self._strategy is None and self.chosen == "auto":
+            self.chosen = recorded
+
+    # -- one call ------------------------------------------------------------------------
+    def select(self, state: Any) -> tuple[Any, Static | None]:
+        """Check a call's ``state`` (:data:`NO_STATE` for ``sink()``) against the step's form,
+        making the strategy at the first call: its array part and its non-array leaves."""
+        if self.jit:  # compiled constants: refuse stale ones
+            self.compiler.check_captures()
+        stateful = state is not NO_STATE
+        arrays, static = self._partition(state) if stateful else ((), None)
+        if self._stateful is None:
+            check_step_form(self.fn, stateful)
+            self._stateful, self._static = stateful, static
+            fn = self.fn if stateful else stateless(self.fn)
+            if static is not None:  # an equinox module, say: compile around its functions
+                fn = with_static(fn, static)
+                self.compiler.specialise(static.key)
+            self._step = fn
+            self._strategy = strategies.make(self.chosen, fn, self.compiler)
+            if self._reselect:
+                self._strategy.reselect()
+        elif self._stateful != stateful:
+            form = "sink(state)" if self._stateful else "sink()"
+            raise TypeError(f"This sink was first called as {form}; call it the same way again.")
+        elif not (static is self._static or (static and static.same(self._static))):
+            raise TypeError(
+                "The state's non-array leaves (functions, flags, other Python objects) differ "
+                "from those of the first call; a sink compiles them in. Pass the state the last "
+                "call returned, or create a new sink for another model."
+            )
+        return arrays, static
+
+    def _partition(self, state: Any) -> tuple[Any, Static | None]:
+        """:func:`~sinkax.pytree.partition` of ``state``; free for the state the last call
+        returned."""
+        handed_back, arrays = self._handed_back
+        if state is handed_back:
+            return arrays, self._static
+        return partition(state)
+
+    def place(self, state: Any, batch_spec: Callable[[], BatchSpec]) -> Any:
+        """``state`` on the sink's devices, its weakly typed leaves (Python numbers) given the
+        dtypes the step returns them with (see :func:`~sinkax.executable.carry_dtypes`; the
+        batch layout from ``batch_spec()``); free for the state the last call returned."""
+        if state is self._returned or not self._stateful:
+            return state
+        check_alive(state)
+        state = placement.place_state(state, self._sharding)
+        if not self.jit:
+            return state
+        batch = batch_spec().abstract
+        dtypes = self.compiler.memo(
+            ("carry", layout((state, batch))), lambda: carry_dtypes(self._step, state, batch)
+        )
+        leaves, treedef = jax.tree.flatten(state)
+        casts = [  # a weakly typed leaf would come back strongly typed: one layout from the start
+            x.astype(d) if jax.typeof(x).weak_type or x.dtype != d else x
+            for x, d in zip(leaves, dtypes, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, casts)
+
+    def run(self, carry: Any, data: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        """``(carry, outs)`` after batches ``offset .. offset+steps`` of the chunk ``data``;
+        ``carry`` is donated."""
+        result = self._strategy.run(carry, data, offset, steps)
+        self.dispatches += self._strategy.dispatches(steps)
+        return result
+
+    def returned(self, carry: Any, static: Static | None) -> Any:
+        """The state a call hands back for its final ``carry`` (non-array leaves put back);
+        frees the last call's state."""
+        self._returned = carry
+        returned = carry if static is None else static.combine(carry)
+        self._handed_back = (returned, carry)
+        return returned
+
+    def lower(self, state: Any, spec: BatchSpec, steps: int) -> jax.stages.Lowered:
+        """The scan executable of a window of ``steps`` batches of layout ``spec``, lowered;
+        ``state`` concrete or abstract, :data:`NO_STATE` for a stateless step."""
+        if state is NO_STATE:
+            fn, state = stateless(self.fn), ()
+        else:
+            state, static = partition(state)
+            fn = self.fn if static is None else with_static(self.fn, static)
+        program = scan_program(strategies.loop_body(fn, placement.platform(self._sharding)), steps)
+        return Compiler.lower(program, state, spec.stacked(steps), 0)
