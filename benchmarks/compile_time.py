@@ -17,7 +17,8 @@ import time
 import jax
 from _common import machine, save, table, workload
 
-from sinkax.executable import Compiler, scan_program
+from sinkax.execution.compiler import Compiler
+from sinkax.execution.programs import scan_program
 from sinkax.spec import BatchSpec
 
 SIZES = (10, 100, 1_000, 10_000, 100_000)

@@ -3,7 +3,8 @@
 The LeNet5 train step (batch 32, SGD-momentum) written with ``lax.conv_general_dilated``
 (``sinkax.nets``) and with flax ``nn.Conv``, each run as a per-step jitted loop, as one
 ``lax.scan`` over 100 batches already on the device, as the same scan of the step with its
-convolutions put in XLA:CPU's canonical layout (``sinkax.rewrite.canonical_convs``, what the
+convolutions put in XLA:CPU's canonical layout
+(``sinkax.execution.rewrite.canonical_convs``, what the
 ``"scan"`` strategy runs on CPU), and through ``data_sink(..., 100)`` with ``strategy="auto"``.
 XLA:CPU rewrites convolutions into its fast kernels' layout only in the entry computation, so
 the weight-gradient convolutions stay generic inside a while body unless the step's jaxpr is
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from _common import fresh, machine, median_rate, save, table, workload
 
 import sinkax
-from sinkax.rewrite import canonical_convs
+from sinkax.execution.rewrite import canonical_convs
 
 STEPS = 100
 MODES = ("device step", "device scan", "device scan, canonical convs", "sinkax auto")

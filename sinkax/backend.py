@@ -41,7 +41,10 @@ class Backend:
     and results are read in place; ``aliases_host_buffers``: an aligned host array becomes a
     device buffer without a copy; ``python_callbacks``: ``io_callback``/``pure_callback`` compile
     for it; ``ffi``: custom calls registered with ``jax.ffi`` reach its compiler;
-    ``num_devices``: its devices in this process.
+    ``num_devices``: its devices in this process; ``xla_cpu``: XLA:CPU compiles its programs,
+    whose convolution canonicalization reaches only a program's entry computation, not a loop
+    body (see :mod:`sinkax.execution.rewrite`), and whose devices' collectives deadlock with
+    many steps in flight.
     """
 
     platform: str
@@ -50,6 +53,7 @@ class Backend:
     python_callbacks: bool
     ffi: bool
     num_devices: int
+    xla_cpu: bool
 
 
 @functools.cache
@@ -62,6 +66,7 @@ def _backend(platform: str) -> Backend:
         python_callbacks=jax_own,  # jax refuses them on a plugin's own platform name
         ffi=jax_own,  # a plugin's handlers go through its FFI extension, not jax.ffi
         num_devices=len(jax.devices(platform)),
+        xla_cpu=cpu,
     )
 
 

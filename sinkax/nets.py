@@ -3,7 +3,7 @@
 The convolutions are plain ``lax.conv_general_dilated`` (NHWC input, HWIO kernel), as flax
 ``nn.Conv`` writes them. In a sink on CPU they run on XLA's fast kernels inside the loop body
 too: the ``"scan"`` strategy puts every convolution of the step -- the weight gradients autodiff
-emits included -- into XLA:CPU's canonical layout first (:mod:`sinkax.rewrite`).
+emits included -- into XLA:CPU's canonical layout first (:mod:`sinkax.execution.rewrite`).
 """
 
 from __future__ import annotations

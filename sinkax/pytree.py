@@ -141,3 +141,31 @@ def partition(state: Any) -> tuple[Any, Static | None]:
     holes = [None if i in where else leaf for i, leaf in enumerate(leaves)]
     static = Static(treedef, where, tuple(leaves[i] for i in where))
     return jax.tree.unflatten(treedef, holes), static
+
+
+@jax.jit
+def copy_tree(tree: Any) -> Any:
+    """A fresh copy of every leaf, in one dispatch: what a donating call may consume while the
+    original stays valid.
+
+    >>> x = jnp.ones(3); y = copy_tree(x)
+    >>> y.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    True
+    """
+    return jax.tree.map(jnp.copy, tree)
+
+
+@jax.jit
+def concat_trees(trees: list[Any]) -> Any:
+    """Leaf-wise concatenation along the leading axis of a list of alike trees, in one dispatch."""
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *trees)
+
+
+def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Tree structure and abstract value of every leaf: what an executable is specialised to."""
+    leaves, treedef = jax.tree.flatten(tree)
+    # .aval and .sharding are cheap attribute reads; this runs on every call of a sink. An
+    # executable is compiled for its arguments' devices, so they are part of the layout.
+    return treedef, tuple(
+        (x.aval, x.sharding) if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves
+    )

@@ -34,8 +34,8 @@ from sinkax.channel.plan import chunk_steps
 from sinkax.channel.source import as_source
 from sinkax.config import SinkConfig
 from sinkax.errors import SinkClosedError
-from sinkax.executable import concat_trees, copy_tree
 from sinkax.execution.executor import NO_STATE, Executor, recorded_strategy
+from sinkax.pytree import concat_trees, copy_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Sink:
                 prefetch=config.prefetch,
                 max_chunk_bytes=config.max_chunk_bytes,
                 timeout=config.timeout,
-                stacked=self._executor.stacked,
+                feed=self._executor.feed,
                 data_state=data_state,
             )
         except Exception:  # bad options or data_state, or processes that disagree
@@ -297,7 +297,7 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
       jit: ``True`` compiles (GRAPH mode), ``False`` runs eagerly (PYNATIVE, for debugging);
         default from :func:`sinkax.set_context`.
       strategy: ``"auto"`` (measure in the first call, keep the faster), ``"scan"``, ``"loop"``,
-        or for ``sink_size=1`` ``"step"`` (see :mod:`sinkax.strategy`). The environment
+        or for ``sink_size=1`` ``"step"`` (see :mod:`sinkax.execution.choice`). The environment
         variable ``SINKAX_STRATEGY`` (``scan`` / ``loop``) pins what ``"auto"`` runs, and so
         does a ``data_state`` that recorded one.
       prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import sinkax
-from sinkax import distributed, launch, placement, strategy
+from sinkax import distributed, launch, placement
 from sinkax.backend import backend_of
+from sinkax.execution import choice as strategy
 
 
 def test_device_and_sharding_together_is_an_error():

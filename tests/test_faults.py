@@ -182,6 +182,7 @@ def test_ctrl_c_in_any_sinkax_frame_of_non_sink_mode_skips_and_repeats_no_batch(
 
 
 def test_a_ctrl_c_during_close_does_not_count_a_live_producer_as_ended():
+    from sinkax.channel.packers import Stacked
     from sinkax.channel.ring import DeviceRing
     from sinkax.channel.source import as_source
 
@@ -190,7 +191,7 @@ def test_a_ctrl_c_during_close_does_not_count_a_live_producer_as_ended():
         as_source(data),
         lambda spec, pos: iter([[(4, True)]] * 100),
         prefetch=1,
-        sharding=jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]),
+        packer=Stacked(jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])),
     )
     main = threading.main_thread().ident
     threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()

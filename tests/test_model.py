@@ -432,7 +432,7 @@ def test_resume_continues_with_exactly_the_next_batch(tmp_path):
 
 
 def test_resume_continues_with_the_strategy_auto_chose(tmp_path, monkeypatch):
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided within the first epoch
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # decided within the first epoch
     checkpoint = ModelCheckpoint(tmp_path, keep_last=1)
     first = new_model(sink_options={}).train(2, blobs(4), callbacks=checkpoint, sink_size=3)
     chosen = first.sink_stats.strategy

@@ -1,4 +1,4 @@
-"""``sinkax.rewrite``: convolutions in XLA:CPU's canonical layout compute what they did."""
+"""``sinkax.execution.rewrite``: convolutions in XLA:CPU's canonical layout compute the same."""
 
 import functools
 
@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 from sinkax import nets
-from sinkax.rewrite import canonical_convs, has_convs
+from sinkax.execution.rewrite import canonical_convs, has_convs
 
 CASES = [  # lhs shape, rhs shape, dimension numbers, conv options
     ((2, 9, 9, 3), (3, 3, 3, 4), ("NHWC", "HWIO", "NHWC"), {}),

@@ -34,6 +34,7 @@ from conftest import (
 )
 
 import sinkax
+from sinkax.channel.packers import Unstacked
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import as_source
 
@@ -507,7 +508,7 @@ def ctrl_c_after_second_dispatch(monkeypatch, strategy_class):
 
 @pytest.mark.parametrize(
     "strategy, sink_size, strategy_class",
-    [("scan", 4, sinkax.strategy.Scan), ("step", 1, sinkax.strategy.Step)],
+    [("scan", 4, sinkax.execution.windowed.Scan), ("step", 1, sinkax.execution.single.Step)],
 )
 def test_ctrl_c_after_the_dispatch_is_held_for_the_next_call(
     batches, monkeypatch, strategy, sink_size, strategy_class
@@ -642,7 +643,7 @@ def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
 
 
 def test_auto_decides_inside_the_first_call(batches, monkeypatch):
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # trials of one step: 12 are enough
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # trials of one step: 12 are enough
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
         state = init_state()
         assert sink.stats.strategy == "auto"
@@ -672,7 +673,7 @@ def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
 
 
 def test_auto_reuses_the_decision_for_the_step_until_reselect(batches, monkeypatch):
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided in the first call
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # decided in the first call
     step = functools.partial(train_step)
     with sinkax.data_sink(step, batches, 12) as first:
         first(init_state())
@@ -706,7 +707,7 @@ def test_the_callers_state_is_donated_alike_while_measuring_and_after(batches, s
 
 
 def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # decided in the first call
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # decided in the first call
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
         assert "strategy" not in sink.data_state()  # not known before the first call
         sink(init_state())
@@ -766,13 +767,13 @@ class _Timed:
 def test_auto_keeps_scan_unless_loop_beats_its_best_trial(
     monkeypatch, scan_trials, loop_trials, chosen, trials_run
 ):
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 10)  # 10 steps of cost 1 a trial
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 10)  # 10 steps of cost 1 a trial
     clock = types.SimpleNamespace(now=0.0)
     rest = [1] * 10  # steps after the decision
     scan = _Timed("scan", [1, 1, *scan_trials, *rest], clock)  # warm-up, timed step, trials
     loop = _Timed("loop", [1, *loop_trials, *rest], clock)
-    compiler = sinkax.executable.Compiler(None, "fake")
-    auto = sinkax.strategy.Auto([scan, loop], compiler, clock=lambda: clock.now)
+    compiler = sinkax.execution.compiler.Compiler(None, "fake")
+    auto = sinkax.execution.auto.Auto([scan, loop], compiler, clock=lambda: clock.now)
     auto.run(None, jnp.zeros(43), 0, 43)  # 3 steps before the trials, then 3 x 10
     assert auto.chosen.name == chosen
     assert sum(map(math.isfinite, auto.timings.values())) == 2
@@ -843,7 +844,7 @@ def test_a_state_of_python_numbers_takes_the_dtypes_the_step_gives_it(
     batches, monkeypatch, sink_size, strategy
 ):
     # the rule of lax.scan's carry; resets fall mid-chunk, as an eval sum's would
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # auto: scan and loop both run
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # auto: scan and loop both run
     eager = _totals(batches, sink_size, jit=False)
     np.testing.assert_allclose(_totals(batches, sink_size, strategy=strategy), eager, atol=1e-4)
 
@@ -903,8 +904,7 @@ def test_one_step_calls_get_copies_that_xla_takes_as_they_are():
         as_source(batches),
         plan=lambda spec, position: itertools.repeat([(1, True)] * 4),
         prefetch=1,
-        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]),
-        stack=False,
+        packer=Unstacked(),
     )
     try:
         handed = ring.get(timeout=10.0).data

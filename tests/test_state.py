@@ -26,7 +26,7 @@ STRATEGIES = {
 
 @pytest.fixture(params=list(STRATEGIES))
 def sink_options(request, monkeypatch):
-    monkeypatch.setattr(sinkax.strategy, "TRIAL_S", 0.0)  # auto: one-step trials of each
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # auto: one-step trials of each
     return STRATEGIES[request.param]
 
 

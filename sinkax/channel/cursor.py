@@ -30,10 +30,12 @@ from typing import Any
 
 import jax
 
-from sinkax import interrupt, placement
+from sinkax import interrupt
+from sinkax.channel import packers
+from sinkax.channel.chunk import Chunk, Piece
 from sinkax.channel.plan import plan
 from sinkax.channel.position import check_data_state, move_to
-from sinkax.channel.ring import Chunk, DeviceRing, Piece
+from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import Source, snapshot
 from sinkax.errors import SinkTimeoutError
 from sinkax.spec import BatchSpec
@@ -46,8 +48,9 @@ def _now(take: Callable[[], Chunk]) -> Chunk:
 class Cursor:
     """The data position of a sink over ``source``: ``sink_size`` steps per call (``-1``: the
     rest of the epoch), fed by a :class:`~sinkax.channel.ring.DeviceRing` of ``prefetch + 1``
-    chunks of at most ``max_chunk_bytes`` placed by ``sharding`` (of one batch), stacked unless
-    ``stacked=False``; starting at ``data_state`` if given. Owns ``source`` from then on.
+    chunks of at most ``max_chunk_bytes`` placed by ``sharding`` (of one batch), packed as the
+    strategy's ``feed`` asks (:mod:`sinkax.channel.packers`); starting at ``data_state`` if
+    given. Owns ``source`` from then on.
     """
 
     def __init__(
@@ -59,10 +62,10 @@ class Cursor:
         prefetch: int = 2,
         max_chunk_bytes: int = 256 << 20,
         timeout: float = 60.0,
-        stacked: bool = True,
+        feed: str = "stacked",
         data_state: dict[str, Any] | None = None,
     ):
-        self._source, self._sharding, self._stacked = source, sharding, stacked
+        self._source, self._packer = source, packers.of(feed, sharding)
         self._plan = functools.partial(plan, sink_size, source.epoch_length, max_chunk_bytes)
         self.prefetch, self.timeout = prefetch, timeout
         if data_state is not None:
@@ -185,7 +188,7 @@ class Cursor:
         """
         if self._in_flight is None:
             return
-        if self._ring.stack:
+        if self._ring.packer.staged:
             with contextlib.suppress(RuntimeError):  # outputs donated or deleted: it is over
                 jax.block_until_ready(self._in_flight)
         self._in_flight = None
@@ -212,8 +215,7 @@ class Cursor:
                 self._source,
                 self._plan,  # holds no reference to the cursor: an unclosed sink is collected
                 prefetch=self.prefetch,
-                sharding=placement.stacked(self._sharding),
-                stack=self._stacked,
+                packer=self._packer,
             )
             self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
 

@@ -2,15 +2,20 @@
 
 A chunk is the unit of transfer; a call runs over a window of one (or, when its data exceeds
 ``max_chunk_bytes``, over several consecutive chunks). The producer follows the plan, so nothing
-is read past what the calls ask for (see :func:`plan`).
+is read past what the calls ask for (see :func:`plan`). A plan is an endless sequence of chunk
+*layouts*, each a list of ``(steps, ends_call)`` pieces: several whole sink calls grouped into one
+chunk (one transfer for many small calls), or a part of one call too large for a single chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from sinkax.channel.source import Position
 from sinkax.spec import BatchSpec
+
+Layout = list[tuple[int, bool]]
+Plan = Callable[[BatchSpec, Position], Iterator[Layout]]
 
 MIN_CHUNK_STEPS = 64
 
@@ -30,7 +35,7 @@ def call_sizes(sink_size: int, epoch_length: int | None, start_step: int) -> Ite
 
 def plan_chunks(
     calls: Iterator[int], max_steps: int, min_steps: int = MIN_CHUNK_STEPS
-) -> Iterator[list[tuple[int, bool]]]:
+) -> Iterator[Layout]:
     """Chunk layouts, each a list of ``(steps, ends_call)`` pieces, for a stream of calls.
 
     Whole calls share a chunk (one transfer) until it holds ``min_steps``, never more than
@@ -71,7 +76,7 @@ def chunk_steps(max_chunk_bytes: int, spec: BatchSpec) -> int:
 
 def plan(
     sink_size: int, epoch_length: int | None, max_chunk_bytes: int, spec: BatchSpec, start: Position
-) -> Iterator[list[tuple[int, bool]]]:
+) -> Iterator[Layout]:
     """The chunk layouts of a sink's calls from position ``start`` on (see :func:`plan_chunks`)."""
     calls = call_sizes(sink_size, epoch_length, start.step)
     return plan_chunks(calls, chunk_steps(max_chunk_bytes, spec))

@@ -1,32 +1,16 @@
 """The data sink: a producer thread that fills a bounded ring of device-resident chunks.
 
 The producer pulls batches from a :class:`~sinkax.channel.source.Source`, checks each against
-the first batch's :class:`~sinkax.spec.BatchSpec`, stacks ``steps`` of them per leaf into a host
-staging buffer, puts it on the device(s) -- placed by the chunk's sharding; across processes,
-as this process's part of the global chunk (:func:`sinkax.placement.put`) -- and queues it,
-ahead of the consumer. There are
-``prefetch + 1`` slots, each owning one staging buffer. A chunk holds its slot from the moment
-the producer starts filling it until the consumer says its compute has finished
+the first batch's :class:`~sinkax.spec.BatchSpec`, hands it to the ring's packer
+(:mod:`sinkax.channel.packers`: stacked into a slot's staging buffers and put on the device, or
+copied and handed over unstacked, as the strategy's ``feed`` asks) and queues the chunk, ahead of
+the consumer. There are ``prefetch + 1`` slots. A chunk holds its slot from the moment the
+producer starts filling it until the consumer says its compute has finished
 (:meth:`DeviceRing.release`), so at most ``prefetch + 1`` chunks are ever on the device:
 ``prefetch`` ready ahead and one being computed on.
 
-Staging buffers are allocated once and reused: fresh memory costs page faults that made the
-producer slower than the training it feeds. They are 64-byte aligned, which lets XLA:CPU use
-them as device buffers without a copy (``device_put`` aliases aligned host memory), so on CPU a
-slot *is* the device memory; on GPU ``device_put`` copies from it.
-
-With ``stack=False`` (the ``"step"`` strategy's one-step calls on CPU) the producer checks the
-batches and copies each leaf (a dataset may refill the arrays it yielded once it runs again, and
-the producer reads ahead), from 4 KiB on into 64-byte aligned memory, and hands them over
-unstacked, a chunk being a tuple of them: no staging ring. The executable takes each batch at
-dispatch, as a plain jitted step does -- and, the batch being aligned, without the copy XLA:CPU
-makes of an unaligned array in the caller's thread.
-
-The producer follows a plan: an endless sequence of chunk layouts, each a list of
-``(steps, ends_call)`` pieces -- several whole sink calls grouped into one chunk (one transfer
-for many small calls), or a part of one call too large for a single chunk. Nothing is read past
-what the plan asks for, and each piece records the source position and state after its last
-batch, so the consumer can report (and checkpoint) an exact data position after every call.
+The producer follows a plan (:mod:`sinkax.channel.plan`) and reads nothing past what it asks
+for; each piece records the source position and state after its last batch.
 
 A consumer that finds no chunk ready takes the complete pieces of the chunk being filled (a
 *cut*; the producer carries the batches it read past them over to its next chunk), so a batch
@@ -44,80 +28,17 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 import numpy as np
 
-from sinkax import affinity, placement
-from sinkax.channel.source import Position, Source
+from sinkax import affinity
+from sinkax.channel.chunk import ChannelStats, Chunk, Piece
+from sinkax.channel.packers import Build, Packer
+from sinkax.channel.plan import Layout, Plan
+from sinkax.channel.source import Source
 from sinkax.errors import SinkClosedError, SinkTimeoutError
 from sinkax.spec import BatchSpec, check
-
-Layout = list[tuple[int, bool]]
-Plan = Callable[[BatchSpec, Position], Iterator[Layout]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """``steps`` batches of a chunk; ``ends_call`` if a sink call ends with them."""
-
-    steps: int
-    ends_call: bool
-    position: Position  # of the batch after this piece
-    source_state: dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """Consecutive batches, in pieces: stacked on a leading axis and resident on the device, or
-    (unstacked rings) a tuple of host batches."""
-
-    data: Any
-    pieces: tuple[Piece, ...]
-
-
-@dataclasses.dataclass
-class ChannelStats:
-    """What the producer did; written by the producer thread only."""
-
-    batches: int = 0
-    chunks: int = 0
-    bytes: int = 0
-    busy_s: float = 0.0
-    slot_wait_s: float = 0.0
-    max_chunks_on_device: int = 0
-
-
-ALIGN_FROM_BYTES = 4096  # smaller arrays XLA copies at dispatch for less than aligning costs
-
-
-def _aligned(allocate: Any, shape: tuple[int, ...], dtype: np.dtype, align: int) -> np.ndarray:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = allocate(nbytes + align, np.uint8)
-    offset = -raw.__array_interface__["data"][0] % align  # (.ctypes builds an object: slower)
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
-
-
-def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """A zeroed array whose data starts on an ``align``-byte boundary."""
-    return _aligned(np.zeros, shape, dtype, align)
-
-
-def owned_copy(array: np.ndarray, align: int = 64) -> np.ndarray:
-    """A copy of ``array``; from :data:`ALIGN_FROM_BYTES` on, starting on an ``align``-byte
-    boundary, which XLA:CPU takes at dispatch as it is (an array that is not so aligned, as most
-    numpy arrays are not, it copies again, in the caller's thread).
-
-    >>> owned_copy(np.arange(1024.0)).ctypes.data % 64
-    0
-    """
-    if array.nbytes < ALIGN_FROM_BYTES:
-        return np.array(array)
-    copy = _aligned(np.empty, array.shape, array.dtype, align)
-    np.copyto(copy, array)
-    return copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,27 +50,15 @@ class _Failure:
         raise self.error.with_traceback(self.traceback)
 
 
-@dataclasses.dataclass
-class _Build:
-    """The chunk the producer is filling; the consumer may take its complete pieces (a cut)."""
-
-    staging: list[np.ndarray]
-    t0: float
-    pieces: list[Piece] = dataclasses.field(default_factory=list)
-    batches: list[Any] = dataclasses.field(default_factory=list)  # unstacked rings
-    filled: int = 0  # batches written
-    taken: int | None = None  # pieces the consumer took, once it cut the chunk
-    carry: list[Any] = dataclasses.field(default_factory=list)  # batches read past them
-
-
 class DeviceRing:
     """Background producer of device chunks; ``get`` hands them out in order.
 
     >>> import jax, numpy as np
+    >>> from sinkax.channel.packers import Stacked
     >>> from sinkax.channel.source import as_source
     >>> ring = DeviceRing(as_source([{"x": np.array([i])} for i in range(4)]),
     ...                   plan=lambda spec, pos: iter([[(1, True), (2, True)]] * 10), prefetch=1,
-    ...                   sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    ...                   packer=Stacked(jax.sharding.SingleDeviceSharding(jax.devices()[0])))
     >>> first = ring.get(timeout=10.0)  # the first chunk goes out after its first piece
     >>> ring.release(); second = ring.get(timeout=10.0)
     >>> second.data["x"][:2].tolist(), [p.position for p in second.pieces]
@@ -158,19 +67,8 @@ class DeviceRing:
     True
     """
 
-    def __init__(
-        self,
-        source: Source,
-        plan: Plan,
-        *,
-        prefetch: int,
-        sharding: jax.sharding.Sharding,
-        stack: bool = True,
-    ):
-        self._source = source
-        self._plan = plan
-        self._sharding = sharding
-        self.stack = stack
+    def __init__(self, source: Source, plan: Plan, *, prefetch: int, packer: Packer):
+        self._source, self._plan, self.packer = source, plan, packer
         # C queues: a Ctrl-C in the consumer cannot leave them half-updated
         self._free: queue.SimpleQueue[list[np.ndarray] | None] = queue.SimpleQueue()
         for _ in range(prefetch + 1):
@@ -178,7 +76,7 @@ class DeviceRing:
         self._handed_out: collections.deque[list[np.ndarray]] = collections.deque()
         self._in_use = 0
         self._lock = threading.Lock()  # the chunk being built, the stats
-        self._building: _Build | None = None
+        self._building: Build | None = None
         self._ready: queue.SimpleQueue[tuple[Chunk, list[np.ndarray]] | _Failure | _Closed] = (
             queue.SimpleQueue()
         )
@@ -229,9 +127,9 @@ class DeviceRing:
                 staging = self._acquire_slot()
                 if staging is None:
                     return
-                if self.stack and (not staging or len(staging[0]) < _steps(layout)):
+                if self.packer.staged and (not staging or len(staging[0]) < _steps(layout)):
                     capacity = max(capacity, _steps(layout))
-                    staging = self._allocate(capacity)
+                    staging = self.packer.allocate(self.spec, capacity)
                 leftover, pending = self._build(layout, pending, staging)
         except _Stopped:
             return
@@ -263,11 +161,6 @@ class DeviceRing:
             self.stats.max_chunks_on_device = max(self.stats.max_chunks_on_device, self._in_use)
         return None if self._stopped else (staging or [])
 
-    def _allocate(self, steps: int) -> list[np.ndarray]:
-        spec = self.spec
-        assert spec is not None
-        return [aligned_zeros((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
-
     def _build(
         self, layout: Layout, pending: list[Any], staging: list[np.ndarray]
     ) -> tuple[Layout, list[Any]]:
@@ -284,7 +177,7 @@ class DeviceRing:
         """
         spec = self.spec
         assert spec is not None
-        build = _Build(staging, time.perf_counter())
+        build = Build(staging, time.perf_counter())
         with self._lock:
             self._building = build
         pending = collections.deque(pending)
@@ -298,12 +191,7 @@ class DeviceRing:
                         if build.taken is not None:  # the batch starts the next chunk
                             self._building = None
                             return layout[build.taken :], [*build.carry, batch, *pending]
-                        if self.stack:
-                            for buffer, leaf in zip(staging, leaves, strict=True):
-                                buffer[build.filled] = leaf
-                        else:  # own copies: the dataset may refill its arrays when it runs again
-                            copies = [owned_copy(leaf) for leaf in leaves]
-                            build.batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
+                        self.packer.write(build, spec, leaves)
                         build.filled += 1
                     if self._stopped:
                         raise _Stopped
@@ -331,17 +219,12 @@ class DeviceRing:
             raise
         return layout[len(build.pieces) :], list(pending)
 
-    def _transfer(self, build: _Build) -> tuple[Chunk, list[np.ndarray]]:
+    def _transfer(self, build: Build) -> tuple[Chunk, list[np.ndarray]]:
         """``build``'s complete pieces as a chunk on the device; under ``_lock``."""
         spec = self.spec
         assert spec is not None
         steps = sum(piece.steps for piece in build.pieces)
-        if self.stack:
-            tree = jax.tree_util.tree_unflatten(spec.treedef, build.staging)
-            data = placement.put(tree, self._sharding)
-            jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
-        else:
-            data = tuple(build.batches[:steps])
+        data = self.packer.pack(build, spec, steps)
         self.stats.chunks += 1
         self.stats.bytes += steps * spec.nbytes
         self.stats.busy_s += time.perf_counter() - build.t0
@@ -358,14 +241,8 @@ class DeviceRing:
                 return None
             build.taken = len(build.pieces)
             steps = sum(piece.steps for piece in build.pieces)
-            if self.stack:  # rows past the pieces, copied before the slot can be reused
-                rows = [
-                    _Row([np.array(b[i]) for b in build.staging])
-                    for i in range(steps, build.filled)
-                ]
-            else:
-                rows = [_Row(jax.tree.leaves(batch)) for batch in build.batches[steps:]]
-            build.carry = rows
+            # rows past the pieces, copied before the slot can be reused
+            build.carry = [_Row(leaves) for leaves in self.packer.rows(build, steps)]
             return self._transfer(build)
 
     def first_spec(self, timeout: float) -> BatchSpec:

@@ -1,7 +1,7 @@
 """The executor: how a sink's steps run -- its strategy, compiled programs and placement.
 
 It resolves the strategy when the sink is made (what ``"auto"`` would measure may be pinned, see
-:func:`sinkax.strategy.pinned`), creates it at the first call, once the step's form is known
+:func:`sinkax.execution.choice.pinned`), creates it at the first call, once the step's form is known
 (``sink(state)`` or ``sink()``; an equinox-style state's non-array leaves compiled in), places
 each new state on the sink's devices with the dtypes the step returns it with, and runs windows
 of device-resident chunks.
@@ -26,18 +26,14 @@ from typing import Any
 import jax
 
 from sinkax import placement
-from sinkax import strategy as strategies
 from sinkax.backend import backend_of
-from sinkax.executable import (
-    Compiler,
-    carry_dtypes,
-    check_step_form,
-    layout,
-    scan_program,
-    stateless,
-    with_static,
-)
-from sinkax.pytree import Static, check_alive, partition
+from sinkax.execution import choice as strategies
+from sinkax.execution.auto import Auto
+from sinkax.execution.compiler import Compiler
+from sinkax.execution.programs import scan_program
+from sinkax.execution.stepfn import carry_dtypes, check_step_form, stateless, with_static
+from sinkax.execution.windowed import loop_body
+from sinkax.pytree import Static, check_alive, layout, partition
 from sinkax.spec import BatchSpec
 
 NO_STATE: Any = object()  # what a stateless call (``sink()``) passes as its state
@@ -55,7 +51,8 @@ def recorded_strategy(data_state: Any) -> str | None:
 class Executor:
     """Runs ``fn`` -- ``fn(state, batch) -> (state, out)``, or stateless ``fn(batch) -> out`` --
     on windows of chunks placed by ``sharding`` (of one batch), as the strategy called
-    ``strategy`` (see :mod:`sinkax.strategy`; ``recorded``: what a data position recorded)."""
+    ``strategy`` (see :mod:`sinkax.execution.choice`; ``recorded``: what a data position
+    recorded)."""
 
     def __init__(
         self,
@@ -91,9 +88,10 @@ class Executor:
         self._handed_back: Any = (None, None)  # the last returned state, and its array part
 
     @property
-    def stacked(self) -> bool:
-        """Whether the strategy runs on chunks stacked on the device (the ring's feed)."""
-        return strategies.takes_stacked_chunks(self.chosen)
+    def feed(self) -> str:
+        """What the strategy runs on, for the ring: ``"stacked"`` chunks or ``"unstacked"``
+        batches."""
+        return strategies.kind(self.chosen).feed
 
     @property
     def strategy_name(self) -> str:
@@ -133,7 +131,7 @@ class Executor:
         """Run what a restored data position ``recorded``, where ``"auto"`` would choose."""
         if recorded is None:
             return
-        if isinstance(self._strategy, strategies.Auto):
+        if isinstance(self._strategy, Auto):
             self._strategy.pin(recorded)
         elif self._strategy is None and self.chosen == "auto":
             self.chosen = recorded
@@ -178,7 +176,7 @@ class Executor:
 
     def place(self, state: Any, batch_spec: Callable[[], BatchSpec]) -> Any:
         """``state`` on the sink's devices, its weakly typed leaves (Python numbers) given the
-        dtypes the step returns them with (see :func:`~sinkax.executable.carry_dtypes`; the
+        dtypes the step returns them with (see :func:`~sinkax.execution.stepfn.carry_dtypes`; the
         batch layout from ``batch_spec()``); free for the state the last call returned."""
         if state is self._returned or not self._stateful:
             return state
@@ -220,5 +218,5 @@ class Executor:
         else:
             state, static = partition(state)
             fn = self.fn if static is None else with_static(self.fn, static)
-        program = scan_program(strategies.loop_body(fn, placement.platform(self._sharding)), steps)
+        program = scan_program(loop_body(fn, backend_of(self._sharding)), steps)
         return Compiler.lower(program, state, spec.stacked(steps), 0)

@@ -11,12 +11,12 @@ from sinkax.train.callbacks import (
     EvalCallback,
     History,
     LossMonitor,
-    ModelCheckpoint,
     ProgressBar,
     RunContext,
     TerminateOnNaN,
     TimeMonitor,
 )
+from sinkax.train.checkpoint import ModelCheckpoint
 from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
 from sinkax.train.model import Model
 from sinkax.train.steps import (

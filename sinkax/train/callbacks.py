@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
-import tempfile
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from sinkax import distributed
 
 if TYPE_CHECKING:
     from sinkax.sink import SinkStats
@@ -269,11 +264,9 @@ class EvalCallback(Callback):
         self._evaluate: Any = None
 
     def on_train_begin(self, run: RunContext) -> None:
-        from sinkax.train.model import Evaluator
-
         passes = run.epochs // self.every_epochs - run.initial_epoch // self.every_epochs
         if passes:  # one sink for all evaluations of the run: compiled once
-            self._evaluate = Evaluator(run.model, self.dataset, self.dataset_sink_mode, passes)
+            self._evaluate = run.model.evaluator(self.dataset, self.dataset_sink_mode, passes)
 
     def on_epoch_end(self, run: RunContext) -> None:
         if run.epoch % self.every_epochs:
@@ -288,179 +281,3 @@ class EvalCallback(Callback):
         if self._evaluate is not None:
             self._evaluate.close()
             self._evaluate = None
-
-
-def layout(tree: Any) -> list[list[Any]]:
-    """``[path, shape, dtype]`` of every leaf: what a checkpoint must match to be restored.
-
-    >>> layout({"w": np.zeros((2, 3), np.float32)})
-    [["['w']", [2, 3], 'float32']]
-    """
-    return [
-        [jax.tree_util.keystr(path), list(np.shape(leaf)), str(jnp.result_type(leaf))]
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    ]
-
-
-def _layout_mismatch(saved: list[list[Any]], current: list[list[Any]]) -> list[str]:
-    saved_by_path = {path: (shape, dtype) for path, shape, dtype in saved}
-    current_by_path = {path: (shape, dtype) for path, shape, dtype in current}
-    problems = [f"{p}: only in the checkpoint" for p in saved_by_path if p not in current_by_path]
-    problems += [f"{p}: not in the checkpoint" for p in current_by_path if p not in saved_by_path]
-    problems += [
-        f"{p}: shape {tuple(saved_by_path[p][0])} {saved_by_path[p][1]} in the checkpoint, "
-        f"{tuple(s)} {d} in this model"
-        for p, (s, d) in current_by_path.items()
-        if p in saved_by_path and saved_by_path[p] != (s, d)
-    ]
-    return problems
-
-
-def _finite(tree: Any) -> bool:
-    """Whether every float leaf of ``tree`` is finite (checked on the device, one bool read).
-
-    >>> _finite({"w": np.array([1.0, np.nan])}), _finite({"step": 3})
-    (False, True)
-    """
-    checks = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree.leaves(tree)
-        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-    ]
-    return bool(jnp.all(jnp.stack(checks))) if checks else True
-
-
-class ModelCheckpoint(Callback):
-    """Saves the train state and the data position with orbax every ``save_every_epochs``,
-    and, as MindSpore's does, at the end of training if its last epoch was not saved yet --
-    unless a callback stopped the run (``TerminateOnNaN``): then the last checkpoint saved is
-    the one to resume from. A state with a non-finite float is never saved (a warning says
-    so), so the latest checkpoint, and the ``keep_last`` kept, are all finite.
-
-    Each checkpoint (named by the global step) holds params, optimizer state, step, epoch and
-    the sink's ``data_state()``; the last ``keep_last`` are kept. Resume with
-    ``model.train(..., resume_from=directory)`` (or this object): training continues with
-    exactly the next batch.
-
-    >>> import tempfile
-    >>> ModelCheckpoint(tempfile.mkdtemp(), keep_last=2).latest_step() is None
-    True
-    """
-
-    def __init__(
-        self, directory: str | os.PathLike[str], keep_last: int = 5, save_every_epochs: int = 1
-    ):
-        self.directory = os.path.abspath(os.fspath(directory))
-        self.keep_last = _check_positive("keep_last", keep_last)
-        self.save_every_epochs = _check_positive("save_every_epochs", save_every_epochs)
-        self._manager: Any = None
-        self._completed: int | None = None  # the last epoch that ran to its end
-        self._saved: int | None = None  # the step of the last save
-
-    def _open(self) -> Any:
-        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
-        if self._manager is None:
-            options = ocp.CheckpointManagerOptions(max_to_keep=self.keep_last)
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_names=("state", "meta")
-            )
-        return self._manager
-
-    def _close(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
-
-    def latest_step(self) -> int | None:
-        """The global step of the newest checkpoint, or ``None`` if there is none."""
-        if not os.path.isdir(self.directory):
-            return None
-        return self._open().latest_step()
-
-    def on_train_begin(self, run: RunContext) -> None:
-        try:  # before any training, not at the first save
-            os.makedirs(self.directory, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.directory):  # an existing one may be read-only
-                pass
-        except OSError as error:
-            raise ValueError(
-                f"ModelCheckpoint cannot write to {self.directory} ({error.strerror}): give a "
-                "directory that can be created and written."
-            ) from error
-        latest = self.latest_step()
-        if latest is not None and latest > run.step:
-            raise ValueError(
-                f"{self.directory} holds checkpoints up to step {latest}, beyond this run's "
-                f"start (step {run.step}): they belong to another run. Resume from them with "
-                "model.train(..., resume_from=directory), or save into an empty directory."
-            )
-
-    def on_epoch_end(self, run: RunContext) -> None:
-        self._completed = run.epoch
-        if run.epoch % self.save_every_epochs == 0:
-            self._save_if_finite(run)
-
-    def on_train_end(self, run: RunContext) -> None:
-        # not after a stop request: that may be TerminateOnNaN's, and the state not worth keeping
-        if not run.stop_requested and self._completed == run.epoch and self._saved != run.step:
-            self._save_if_finite(run)
-
-    def _save_if_finite(self, run: RunContext) -> None:
-        if _finite(run.state):
-            self.save(run)
-        else:
-            warnings.warn(
-                f"ModelCheckpoint did not save step {run.step} (epoch {run.epoch}): its state is "
-                "not finite (NaN or inf); the checkpoints saved before it are kept.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def __exit__(self, *exc: object) -> None:
-        self._close()  # pending writes finish, also when training failed after a save
-
-    def save(self, run: RunContext) -> None:
-        """Save now (asynchronously: the state is copied to the host first)."""
-        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
-        state = jax.device_get(run.state)
-        meta = {
-            "epoch": run.epoch,
-            "step": run.step,
-            "data_state": distributed.shared_position(run.data_state()),
-            "layout": layout(state),
-        }
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self._open().save(run.step, args=args, force=True)
-        self._saved = run.step
-
-    def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """``(state, meta)`` of checkpoint ``step`` (default: the latest), shaped like ``like``.
-
-        Raises ``ValueError`` naming the differing leaves if the checkpoint was written by a
-        model with another params or optimizer-state layout.
-        """
-        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
-        self._close()  # pending saves finish first
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"No checkpoint in {self.directory} to resume from.")
-        try:
-            meta = self._open().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            meta = meta["meta"]
-            problems = _layout_mismatch(meta["layout"], layout(like))
-            if problems:
-                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-                raise ValueError(
-                    f"The checkpoint {self.directory} (step {step}) was written by a different "
-                    f"model and cannot be restored into this one: {'; '.join(problems[:5])}{more}."
-                    " Resume with the network and optimizer it was trained with, or train from "
-                    "scratch."
-                )
-            target = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), like
-            )
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
-            return self._open().restore(step, args=args)["state"], meta
-        finally:
-            self._close()

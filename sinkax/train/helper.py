@@ -31,14 +31,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sinkax import context, interrupt, placement
-from sinkax import strategy as strategies
 from sinkax.backend import backend_of
 from sinkax.channel.position import move_to
 from sinkax.channel.source import as_source, snapshot
 from sinkax.config import check_sink_size
 from sinkax.errors import SinkClosedError
-from sinkax.executable import Compiler, stateless, with_leading_axis
+from sinkax.execution import choice as strategies
+from sinkax.execution.compiler import Compiler
 from sinkax.execution.executor import NO_STATE
+from sinkax.execution.programs import with_leading_axis
+from sinkax.execution.stepfn import stateless
 from sinkax.sink import Sink, SinkStats, data_sink
 
 
@@ -265,19 +267,20 @@ class _HostNet:
 
     def __init__(self, fn: Callable[..., Any], feed: _HostFeed, options: dict[str, Any]):
         self._feed = feed
+        options = context.sink_options(options)  # what data_sink fills in, the same way
         self._sharding = placement.resolve(
             options.get("device"), options.get("sharding"), context.default_device
         )
         devices = placement.devices(self._sharding)
         name = strategies.resolve(  # "step" on one device, "eager" without jit
             "step" if devices == 1 else "scan",
-            jit=context.jit_enabled(options.get("jit")),
+            jit=options["jit"],
             steps_per_call=1,
             backend=backend_of(self._sharding),
             devices=devices,
         )
-        self._stacked = strategies.takes_stacked_chunks(name)
-        compiler = Compiler(fn, save_graphs=options.get("save_graphs") or context.graphs_folder())
+        self._stacked = strategies.kind(name).feed == "stacked"
+        compiler = Compiler(fn, save_graphs=options["save_graphs"])
         # the host batches are unchecked: an eval pass may end on a smaller one
         self._stateful = strategies.make(name, fn, compiler, batches_alike=False)
         self._stateless = strategies.make(name, stateless(fn), compiler, batches_alike=False)

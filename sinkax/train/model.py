@@ -30,13 +30,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from sinkax import context, distributed
-from sinkax.channel.source import known_length
-from sinkax.executable import copy_tree
-from sinkax.train.callbacks import Callback, ModelCheckpoint, RunContext
+from sinkax.pytree import copy_tree
+from sinkax.train.callbacks import Callback, RunContext
+from sinkax.train.checkpoint import ModelCheckpoint
+from sinkax.train.evaluation import Evaluator
 from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
 from sinkax.train.steps import (
     ApplyFn,
@@ -270,42 +270,21 @@ class Model:
         the mean over samples; batches padded by :class:`sinkax.datasets.PadBatch` count their
         real samples only, so a ragged last batch is evaluated too.
         """
-        evaluate = Evaluator(self, valid_dataset, dataset_sink_mode, passes=1)
+        evaluate = self.evaluator(valid_dataset, dataset_sink_mode, passes=1)
         try:
             return evaluate(self.eval_variables(self.state))
         finally:
             evaluate.close()
 
+    def evaluator(self, dataset: Any, dataset_sink_mode: bool = True, passes: int = 1) -> Evaluator:
+        """An :class:`~sinkax.train.evaluation.Evaluator` of this model's eval step over
+        ``passes`` passes of ``dataset`` (one sink for all of them: compiled once), as
+        :meth:`eval` and :class:`~sinkax.train.EvalCallback` use it."""
+        return Evaluator(
+            self._eval_and_count, dataset, dataset_sink_mode, passes, self.sink_options
+        )
+
     def predict(self, x: Any) -> jax.Array:
         """``apply_fn(params, x)``, jitted (a :class:`~sinkax.train.StatefulApply` with
         ``train=False``: running statistics, no dropout)."""
         return self._predict(self.state.params, self.state.model_state, x)
-
-
-class Evaluator:
-    """Evaluates params over one pass of a dataset per call, on one sink for all ``passes``
-    calls (compiled once); :class:`~sinkax.train.EvalCallback` keeps one for a whole run."""
-
-    def __init__(self, model: Model, dataset: Any, dataset_sink_mode: bool, passes: int):
-        if known_length(dataset) is None:
-            raise ValueError(
-                f"Evaluation runs exactly one pass over the dataset, which needs a dataset of "
-                f"known length; {type(dataset).__name__} has no len(). Give a sized dataset (a "
-                "grain MapDataset, a list, an object with __len__)."
-            )
-        self._helper = DatasetHelper(dataset, dataset_sink_mode, -1, passes, **model.sink_options)
-        self._net = connect_network_with_dataset(model._eval_and_count, self._helper)
-
-    def __call__(self, variables: Any) -> dict[str, float]:
-        """Metrics of :meth:`Model.eval_variables` over one pass."""
-        variables, parts = copy_tree(variables), []  # a copy: the sink donates it
-        for _ in self._helper:
-            variables, outs = self._net(variables)
-            parts.append(outs)
-        metrics, counts = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-        names = sorted(metrics, key=lambda name: name != "loss")  # loss first
-        return {name: float(np.average(metrics[name], weights=counts)) for name in names}
-
-    def close(self) -> None:
-        """Stop the data producer."""
-        self._helper.close()

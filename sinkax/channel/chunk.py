@@ -1,0 +1,44 @@
+"""What the ring hands out: a :class:`Chunk` of consecutive batches, in :class:`Piece` s.
+
+A piece is the part of a chunk one sink call runs (or, for a call larger than a chunk, a part
+of that call); it records the data position after its last batch, so the consumer can report
+an exact position after every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sinkax.channel.source import Position
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """``steps`` batches of a chunk; ``ends_call`` if a sink call ends with them."""
+
+    steps: int
+    ends_call: bool
+    position: Position  # of the batch after this piece
+    source_state: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Consecutive batches, in pieces: stacked on a leading axis and resident on the device, or
+    (unstacked rings) a tuple of host batches."""
+
+    data: Any
+    pieces: tuple[Piece, ...]
+
+
+@dataclasses.dataclass
+class ChannelStats:
+    """What the producer did; written by the producer thread only."""
+
+    batches: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0
+    slot_wait_s: float = 0.0
+    max_chunks_on_device: int = 0

@@ -1,0 +1,151 @@
+"""Packers: how the ring turns batches into the chunk a strategy runs on (its ``feed``).
+
+* :class:`Stacked` (``"stacked"``, every strategy but ``"step"``): each slot of the ring owns
+  reusable host staging buffers, one per leaf, ``steps`` batches deep; a chunk is written into
+  them and put on the device(s), placed by the chunk's sharding (across processes as this
+  process's part of the global chunk, :func:`sinkax.placement.put`). Fresh memory costs page
+  faults that made the producer slower than the training it feeds, so buffers are allocated
+  once. They are 64-byte aligned, which lets XLA:CPU use them as device buffers without a copy
+  (``device_put`` aliases aligned host memory): on CPU a slot *is* the device memory, so the
+  slot is freed only once the compute on its chunk has finished; on GPU ``device_put`` copies.
+* :class:`Unstacked` (``"unstacked"``, the ``"step"`` strategy's one-step calls on CPU): each
+  batch is copied (a dataset may refill the arrays it yielded once it runs again, and the
+  producer reads ahead), from :data:`ALIGN_FROM_BYTES` on into 64-byte aligned memory, and a
+  chunk is the tuple of them. The executable takes each batch at dispatch, as a plain jitted step
+  does -- and, the batch being aligned, without the copy XLA:CPU makes of an unaligned array in
+  the caller's thread. The chunk owns no memory the ring reuses.
+
+>>> import jax, numpy as np
+>>> from sinkax.spec import BatchSpec
+>>> spec = BatchSpec.of({"x": np.float32(0)})
+>>> packer = of("stacked", jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+>>> build = Build(packer.allocate(spec, steps=2), t0=0.0)
+>>> for i in range(2):
+...     packer.write(build, spec, [np.float32(i)]); build.filled += 1
+>>> packer.pack(build, spec, steps=2)["x"].tolist()
+[0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from sinkax import placement
+from sinkax.spec import BatchSpec
+
+ALIGN_FROM_BYTES = 4096  # smaller arrays XLA copies at dispatch for less than aligning costs
+
+
+def _aligned(allocate: Any, shape: tuple[int, ...], dtype: np.dtype, align: int) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = allocate(nbytes + align, np.uint8)
+    offset = -raw.__array_interface__["data"][0] % align  # (.ctypes builds an object: slower)
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """A zeroed array whose data starts on an ``align``-byte boundary."""
+    return _aligned(np.zeros, shape, dtype, align)
+
+
+def owned_copy(array: np.ndarray, align: int = 64) -> np.ndarray:
+    """A copy of ``array``; from :data:`ALIGN_FROM_BYTES` on, starting on an ``align``-byte
+    boundary, which XLA:CPU takes at dispatch as it is (an array that is not so aligned, as most
+    numpy arrays are not, it copies again, in the caller's thread).
+
+    >>> owned_copy(np.arange(1024.0)).ctypes.data % 64
+    0
+    """
+    if array.nbytes < ALIGN_FROM_BYTES:
+        return np.array(array)
+    copy = _aligned(np.empty, array.shape, array.dtype, align)
+    np.copyto(copy, array)
+    return copy
+
+
+@dataclasses.dataclass
+class Build:
+    """The chunk the producer is filling; the consumer may take its complete pieces (a cut)."""
+
+    staging: list[np.ndarray]  # the slot's buffers (stacked packers)
+    t0: float
+    pieces: list[Any] = dataclasses.field(default_factory=list)
+    batches: list[Any] = dataclasses.field(default_factory=list)  # unstacked packers
+    filled: int = 0  # batches written
+    taken: int | None = None  # pieces the consumer took, once it cut the chunk
+    carry: list[Any] = dataclasses.field(default_factory=list)  # batches read past them
+
+
+class Packer(Protocol):
+    """What the ring asks of a feed."""
+
+    staged: bool  # chunks are built in a slot's staging, its memory: free it once computed on
+
+    def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
+        """A slot's staging buffers for ``steps`` batches of ``spec`` (if :attr:`staged`)."""
+
+    def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
+        """Add a checked batch, as its leaves, as batch ``build.filled``."""
+
+    def pack(self, build: Build, spec: BatchSpec, steps: int) -> Any:
+        """The chunk's data: the first ``steps`` batches of ``build``, where the strategy runs."""
+
+    def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
+        """Own copies of the leaves of the batches written past the first ``steps``."""
+
+
+class Stacked:
+    """Batches stacked on a leading axis in reusable aligned staging, put on the device(s)
+    placed by ``sharding`` (of a chunk)."""
+
+    staged = True
+
+    def __init__(self, sharding: jax.sharding.Sharding):
+        self._sharding = sharding
+
+    def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
+        return [aligned_zeros((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
+
+    def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
+        for buffer, leaf in zip(build.staging, leaves, strict=True):
+            buffer[build.filled] = leaf
+
+    def pack(self, build: Build, spec: BatchSpec, steps: int) -> Any:
+        # The whole staging buffer is transferred, so executables see one chunk shape.
+        data = placement.put(
+            jax.tree_util.tree_unflatten(spec.treedef, build.staging), self._sharding
+        )
+        jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
+        return data
+
+    def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
+        return [[np.array(b[i]) for b in build.staging] for i in range(steps, build.filled)]
+
+
+class Unstacked:
+    """Each batch an own, aligned copy on the host; a chunk is the tuple of them."""
+
+    staged = False
+
+    def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
+        return []
+
+    def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
+        copies = [owned_copy(leaf) for leaf in leaves]
+        build.batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
+
+    def pack(self, build: Build, spec: BatchSpec, steps: int) -> Any:
+        return tuple(build.batches[:steps])
+
+    def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
+        return [jax.tree.leaves(batch) for batch in build.batches[steps:]]
+
+
+def of(feed: str, sharding: jax.sharding.Sharding) -> Packer:
+    """The packer of a strategy's ``feed`` (``"stacked"`` or ``"unstacked"``) for batches placed
+    by ``sharding`` (of one batch)."""
+    return Stacked(placement.stacked(sharding)) if feed == "stacked" else Unstacked()

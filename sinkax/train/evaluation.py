@@ -1,0 +1,60 @@
+"""Evaluation over whole passes of a dataset, on one sink: :class:`Evaluator`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from sinkax.channel.source import known_length
+from sinkax.pytree import copy_tree
+from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
+
+
+class Evaluator:
+    """Evaluates variables over one pass of a dataset per call, on one sink for all ``passes``
+    calls (compiled once); :class:`~sinkax.train.EvalCallback` keeps one for a whole run.
+
+    ``eval_step(variables, batch) -> (variables, (metrics, count))`` carries the variables
+    through and weights each batch's metrics by ``count`` (its real examples).
+
+    >>> import numpy as np
+    >>> step = lambda v, b: (v, ({"loss": (b - v) ** 2}, np.int32(1)))
+    >>> evaluate = Evaluator(step, [np.float32(1), np.float32(3)], True, passes=1)
+    >>> evaluate(np.float32(1)); evaluate.close()
+    {'loss': 2.0}
+    """
+
+    def __init__(
+        self,
+        eval_step: Callable[[Any, Any], tuple[Any, Any]],
+        dataset: Any,
+        dataset_sink_mode: bool,
+        passes: int,
+        sink_options: Mapping[str, Any] | None = None,
+    ):
+        if known_length(dataset) is None:
+            raise ValueError(
+                f"Evaluation runs exactly one pass over the dataset, which needs a dataset of "
+                f"known length; {type(dataset).__name__} has no len(). Give a sized dataset (a "
+                "grain MapDataset, a list, an object with __len__)."
+            )
+        options = dict(sink_options or {})
+        self._helper = DatasetHelper(dataset, dataset_sink_mode, -1, passes, **options)
+        self._net = connect_network_with_dataset(eval_step, self._helper)
+
+    def __call__(self, variables: Any) -> dict[str, float]:
+        """Metrics of ``variables`` (e.g. :meth:`Model.eval_variables`) over one pass."""
+        variables, parts = copy_tree(variables), []  # a copy: the sink donates it
+        for _ in self._helper:
+            variables, outs = self._net(variables)
+            parts.append(outs)
+        metrics, counts = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+        names = sorted(metrics, key=lambda name: name != "loss")  # loss first
+        return {name: float(np.average(metrics[name], weights=counts)) for name in names}
+
+    def close(self) -> None:
+        """Stop the data producer."""
+        self._helper.close()
