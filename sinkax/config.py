@@ -136,6 +136,17 @@ class SinkConfig:
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
         )
 
+    def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:
+        """The steps per call over ``dataset`` of ``epoch_length`` batches, or a ``ValueError``
+        if ``sink_size=-1`` (one epoch per call) and its length is unknown."""
+        if self.sink_size == -1 and epoch_length is None:
+            raise ValueError(
+                "sink_size=-1 runs one epoch per call, which needs a dataset of known length; "
+                f"{type(dataset).__name__} has no len(). Pass sink_size > 0 (steps per call) or "
+                "a sized dataset (a grain MapDataset, a list)."
+            )
+        return self.steps_per_call(epoch_length)
+
     def steps_per_call(self, epoch_length: int | None) -> int | None:
         """Steps a call runs: ``sink_size``, or for ``-1`` the epoch length."""
         return self.sink_size if self.sink_size > 0 else epoch_length

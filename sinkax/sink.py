@@ -21,7 +21,6 @@ A sink is a facade over three parts: its checked :class:`~sinkax.config.SinkConf
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +67,13 @@ class SinkStats:
         return "input" if self.data_wait_s > self.slot_wait_s else "compute"
 
 
+_BUSY = (
+    "This sink is already running a call, from another thread (or restoring its data state). A "
+    "sink runs one at a time, as each moves its data position: give each thread its own sink, "
+    "or let them take turns (a threading.Lock around the calls)."
+)
+
+
 class Sink:
     """A step function bound to a dataset; see :func:`data_sink` (whose options, other than
     the context's defaults, it takes)."""
@@ -82,41 +88,21 @@ class Sink:
         data_state: dict[str, Any] | None = None,
         **options: Any,
     ):
-        config = self.config = SinkConfig.of(sink_size, **options)
-        self.fn, self.sink_size, self.timeout = fn, config.sink_size, config.timeout
+        self.config = config = SinkConfig.of(sink_size, **options)
+        self.fn, self.sink_size = fn, config.sink_size
         source = as_source(dataset, read_options)
         try:
-            if config.sink_size == -1 and source.epoch_length is None:
-                raise ValueError(
-                    "sink_size=-1 runs one epoch per call, which needs a dataset of known "
-                    f"length; {type(dataset).__name__} has no len(). Pass sink_size > 0 (steps "
-                    "per call) or a sized dataset (a grain MapDataset, a list)."
-                )
-            self._executor = Executor(
-                fn,
-                config.sharding,
-                steps_per_call=config.steps_per_call(source.epoch_length),
-                strategy=config.strategy,
-                jit=config.jit,
-                save_graphs=config.save_graphs,
-                recorded=recorded_strategy(data_state),
-            )
+            steps = config.check_length(source.epoch_length, dataset)
+            recorded = recorded_strategy(data_state)
+            self._executor = Executor(fn, config, steps_per_call=steps, recorded=recorded)
             self._peers = distributed.Peers.of(
                 config.sharding,
                 config.timeout,
                 sink_size=self.sink_size,
                 epoch_length=source.epoch_length,
             )
-            self._cursor = Cursor(
-                source,
-                config.sink_size,
-                sharding=config.sharding,
-                prefetch=config.prefetch,
-                max_chunk_bytes=config.max_chunk_bytes,
-                timeout=config.timeout,
-                feed=self._executor.feed,
-                data_state=data_state,
-            )
+            feed = self._executor.feed
+            self._cursor = Cursor(source, config, feed=feed, data_state=data_state)
         except Exception:  # bad options or data_state, or processes that disagree
             source.close()
             raise
@@ -135,7 +121,7 @@ class Sink:
         """
         handoff = interrupt.Handoff()
         if self._running:  # a load and a store, no call between: no other thread runs in between
-            raise self._busy()
+            raise RuntimeError(_BUSY)
         self._running = True
         cursor, executor, parts = self._cursor, self._executor, []
         try:
@@ -144,7 +130,7 @@ class Sink:
             arrays, static = executor.select(state)
             cursor.resync()  # an interrupted call took data it never delivered: rewind
             carry = executor.place(arrays, cursor.first_spec)
-            t_call, wait_before = time.perf_counter(), cursor.data_wait_s
+            cursor.begin()
             while True:
                 data, piece, offset = cursor.next_piece(self._peers.agree)
                 if state is not NO_STATE and executor.jit and not parts:  # the caller's state
@@ -158,7 +144,6 @@ class Sink:
                 if piece.ends_call:
                     break
             outs = parts[0] if len(parts) == 1 else concat_trees(parts)
-            busy_s = time.perf_counter() - t_call - (cursor.data_wait_s - wait_before)
             # Every step has run: from here to the return a Ctrl-C is held, whatever the path,
             # so that the results and the new data position reach the caller together (this
             # also drops the guarded state, so that its arrays are freed here, while held).
@@ -172,7 +157,7 @@ class Sink:
             self._running = False
             raise
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
-        cursor.commit(piece, busy_s)
+        cursor.commit(piece)
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
         return (returned, outs) if state is not NO_STATE else outs
@@ -197,7 +182,7 @@ class Sink:
         next call finishes the rewind, to :meth:`data_state` as it then reads.
         """
         if self._running:
-            raise self._busy()
+            raise RuntimeError(_BUSY)
         self._running = True
         try:
             self._check_open()
@@ -225,41 +210,17 @@ class Sink:
 
     epoch = property(lambda self: self._cursor.epoch, doc="Epoch of the next batch (from 0).")
     step = property(lambda self: self._cursor.step, doc="Step within the epoch of the next batch.")
-    epoch_length = property(
-        lambda self: self._cursor.epoch_length, doc="Batches per epoch, when known."
+    epoch_length = property(lambda self: self._cursor.epoch_length, doc="Batches per epoch.")
+    steps_per_call = property(
+        lambda self: self.config.steps_per_call(self.epoch_length),
+        doc="Steps a call runs: ``sink_size``, or for ``-1`` the epoch length.",
     )
-
-    @property
-    def steps_per_call(self) -> int | None:
-        """Steps a call runs: ``sink_size``, or for ``-1`` the epoch length."""
-        return self.config.steps_per_call(self.epoch_length)
 
     @property
     def stats(self) -> SinkStats:
         """A snapshot of :class:`SinkStats`."""
-        cursor, executor, ring = self._cursor, self._executor, self._cursor.ring.stats
-        return SinkStats(
-            cursor.steps,
-            cursor.calls,
-            executor.dispatches,
-            executor.compiler.compiles,
-            ring.chunks,
-            ring.bytes,
-            ring.max_chunks_on_device,
-            cursor.data_wait_s,
-            ring.slot_wait_s,
-            executor.strategy_name,
-            executor.timings,
-            pjrt.since(self._interactions_at_start),
-        )
-
-    @staticmethod
-    def _busy() -> RuntimeError:
-        return RuntimeError(
-            "This sink is already running a call, from another thread (or restoring its data "
-            "state). A sink runs one at a time, as each moves its data position: give each "
-            "thread its own sink, or let them take turns (a threading.Lock around the calls)."
-        )
+        counts = {**self._cursor.counts(), **self._executor.counts()}
+        return SinkStats(**counts, interactions=pjrt.since(self._interactions_at_start))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -6,14 +6,14 @@ up to (*committed*, what ``Sink.data_state()`` reports). A call that takes data 
 deliver its results leaves the cursor out of step; the next call first rewinds the ring to the
 committed position (a *resync*), so no batch is skipped and none repeated.
 
->>> import jax, numpy as np
+>>> import numpy as np
 >>> from sinkax.channel.source import as_source
->>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
->>> cursor = Cursor(as_source([{"x": np.float32(i)} for i in range(3)]), 2, sharding=sharding)
+>>> from sinkax.config import SinkConfig
+>>> cursor = Cursor(as_source([{"x": np.float32(i)} for i in range(3)]), SinkConfig.of(2))
 >>> data, piece, offset = cursor.next_piece()
 >>> data["x"][offset : offset + piece.steps].tolist(), piece.ends_call
 ([0.0, 1.0], True)
->>> cursor.ran(piece, data); cursor.commit(piece, busy_s=0.0); (cursor.epoch, cursor.step)
+>>> cursor.ran(piece, data); cursor.commit(piece); (cursor.epoch, cursor.step)
 (0, 2)
 >>> cursor.close(running=False)
 """
@@ -37,6 +37,7 @@ from sinkax.channel.plan import plan
 from sinkax.channel.position import check_data_state, move_to
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import Source, snapshot
+from sinkax.config import SinkConfig
 from sinkax.errors import SinkTimeoutError
 from sinkax.spec import BatchSpec
 
@@ -46,28 +47,25 @@ def _now(take: Callable[[], Chunk]) -> Chunk:
 
 
 class Cursor:
-    """The data position of a sink over ``source``: ``sink_size`` steps per call (``-1``: the
-    rest of the epoch), fed by a :class:`~sinkax.channel.ring.DeviceRing` of ``prefetch + 1``
-    chunks of at most ``max_chunk_bytes`` placed by ``sharding`` (of one batch), packed as the
-    strategy's ``feed`` asks (:mod:`sinkax.channel.packers`); starting at ``data_state`` if
-    given. Owns ``source`` from then on.
+    """The data position of a sink over ``source``, configured by ``config`` (steps per call,
+    prefetch, chunk bytes, timeout, sharding), fed by a :class:`~sinkax.channel.ring.DeviceRing`
+    whose chunks are packed as the strategy's ``feed`` asks (:mod:`sinkax.channel.packers`);
+    starting at ``data_state`` if given. Owns ``source`` from then on.
     """
 
     def __init__(
         self,
         source: Source,
-        sink_size: int,
+        config: SinkConfig,
         *,
-        sharding: jax.sharding.Sharding,
-        prefetch: int = 2,
-        max_chunk_bytes: int = 256 << 20,
-        timeout: float = 60.0,
         feed: str = "stacked",
         data_state: dict[str, Any] | None = None,
     ):
-        self._source, self._packer = source, packers.of(feed, sharding)
-        self._plan = functools.partial(plan, sink_size, source.epoch_length, max_chunk_bytes)
-        self.prefetch, self.timeout = prefetch, timeout
+        self._source, self._packer = source, packers.of(feed, config.sharding)
+        self._plan = functools.partial(
+            plan, config.sink_size, source.epoch_length, config.max_chunk_bytes
+        )
+        self.prefetch, self.timeout = config.prefetch, config.timeout
         if data_state is not None:
             move_to(source, data_state)
         self._committed = snapshot(source)
@@ -77,6 +75,7 @@ class Cursor:
         self._resync = False  # data was taken and not delivered: rewind before the next call
         self.steps = self.calls = 0
         self.data_wait_s = self.busy_s = 0.0
+        self._call_started = (0.0, 0.0)  # the clock and the data wait at the call's start
         self._start_ring()
 
     # -- where the data stands -----------------------------------------------------------
@@ -99,6 +98,19 @@ class Cursor:
     def ring(self) -> DeviceRing:
         return self._ring
 
+    def counts(self) -> dict[str, Any]:
+        """The data side of ``Sink.stats``."""
+        ring = self._ring.stats
+        return {
+            "steps": self.steps,
+            "calls": self.calls,
+            "chunks_transferred": ring.chunks,
+            "bytes_transferred": ring.bytes,
+            "max_chunks_on_device": ring.max_chunks_on_device,
+            "data_wait_s": self.data_wait_s,
+            "slot_wait_s": ring.slot_wait_s,
+        }
+
     def data_state(self) -> dict[str, Any]:
         """The committed position (see ``Sink.data_state``)."""
         state = dict(self._committed)
@@ -115,6 +127,10 @@ class Cursor:
         """Rewind to the committed position if an interrupted call took data it never delivered."""
         if self._resync:
             self.rewind(self._committed)
+
+    def begin(self) -> None:
+        """A call starts (its time, less its wait for data, is the sink's busy time)."""
+        self._call_started = (time.perf_counter(), self.data_wait_s)
 
     def next_piece(
         self, agree: Callable[[Callable[[], Chunk]], Chunk] = _now
@@ -135,16 +151,16 @@ class Cursor:
         self._offset += piece.steps
         self.steps += piece.steps
 
-    def commit(self, piece: Piece, busy_s: float) -> None:
-        """The call that ended with ``piece`` delivered its results: its position is committed.
-        No Python call inside (see ``Sink.__call__``)."""
+    def commit(self, piece: Piece) -> None:
+        """The call that ended with ``piece`` delivers its results: its position is committed."""
+        started, waited = self._call_started
+        self.busy_s += time.perf_counter() - started - (self.data_wait_s - waited)
         self._committed = {
             "epoch": piece.position.epoch,
             "step": piece.position.step,
             "source": piece.source_state,
         }
         self.calls += 1
-        self.busy_s += busy_s
 
     def failed(self, consumed: bool) -> None:
         """A call failed; if it ``consumed`` data, the next call rewinds first -- unless the

@@ -6,10 +6,10 @@ It resolves the strategy when the sink is made (what ``"auto"`` would measure ma
 each new state on the sink's devices with the dtypes the step returns it with, and runs windows
 of device-resident chunks.
 
->>> import jax, jax.numpy as jnp
+>>> import jax.numpy as jnp
+>>> from sinkax.config import SinkConfig
 >>> from sinkax.spec import BatchSpec
->>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
->>> executor = Executor(lambda s, b: (s + b, s), sharding, steps_per_call=2, strategy="scan")
+>>> executor = Executor(lambda s, b: (s + b, s), SinkConfig.of(2, strategy="scan"))
 >>> arrays, static = executor.select(jnp.float32(1))
 >>> carry = executor.place(arrays, lambda: BatchSpec.of(jnp.float32(0)))
 >>> state, outs = executor.run(carry, jnp.arange(4.0), offset=1, steps=2)
@@ -27,6 +27,7 @@ import jax
 
 from sinkax import placement
 from sinkax.backend import backend_of
+from sinkax.config import SinkConfig
 from sinkax.execution import choice as strategies
 from sinkax.execution.auto import Auto
 from sinkax.execution.compiler import Compiler
@@ -50,34 +51,31 @@ def recorded_strategy(data_state: Any) -> str | None:
 
 class Executor:
     """Runs ``fn`` -- ``fn(state, batch) -> (state, out)``, or stateless ``fn(batch) -> out`` --
-    on windows of chunks placed by ``sharding`` (of one batch), as the strategy called
-    ``strategy`` (see :mod:`sinkax.execution.choice`; ``recorded``: what a data position
-    recorded)."""
+    on windows of chunks as ``config`` says (strategy, jit, sharding, graph dumps; see
+    :mod:`sinkax.execution.choice`); ``steps_per_call``: default ``config.sink_size``;
+    ``recorded``: the strategy a restored data position recorded."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
-        sharding: jax.sharding.Sharding,
+        config: SinkConfig,
         *,
-        steps_per_call: int | None,
-        strategy: str = "auto",
-        jit: bool = True,
-        save_graphs: str | None = None,
+        steps_per_call: int | None = None,
         recorded: str | None = None,
     ):
-        self.fn, self.jit, self._sharding = fn, jit, sharding
+        self.fn, self.jit, self._sharding = fn, config.jit, config.sharding
         self.chosen = strategies.pinned(  # what "auto" would measure
             strategies.resolve(
-                strategy,
-                jit=jit,
-                steps_per_call=steps_per_call,
-                backend=backend_of(sharding),
-                devices=placement.devices(sharding),
+                config.strategy,
+                jit=config.jit,
+                steps_per_call=steps_per_call or config.sink_size,
+                backend=backend_of(config.sharding),
+                devices=placement.devices(config.sharding),
                 processes=jax.process_count(),
             ),
             recorded,
         )
-        self.compiler = Compiler(fn, save_graphs=save_graphs)
+        self.compiler = Compiler(fn, save_graphs=config.save_graphs)
         self.dispatches = 0
         self._strategy: Any = None
         self._step: Any = None  # the step function the strategy runs
@@ -104,10 +102,15 @@ class Executor:
         name = getattr(self._strategy, "name", None)
         return name if name in strategies.RECORDED else None
 
-    @property
-    def timings(self) -> dict[str, float]:
+    def counts(self) -> dict[str, Any]:
+        """The compute side of ``Sink.stats``."""
         timings = getattr(self._strategy, "timings", {})
-        return {k: v for k, v in timings.items() if math.isfinite(v)}
+        return {
+            "dispatches": self.dispatches,
+            "compiles": self.compiler.compiles,
+            "strategy": self.strategy_name,
+            "strategy_timings": {k: v for k, v in timings.items() if math.isfinite(v)},
+        }
 
     @property
     def atomic(self) -> bool:
