@@ -63,6 +63,7 @@ class Gated:
 
     def __init__(self, n, gate_at=None, delay=0.0):
         self.n, self.gate_at, self.delay, self.gate = n, gate_at, delay, threading.Event()
+        self.at_gate = threading.Event()  # a reader is waiting at the gate
 
     def __len__(self):
         return self.n
@@ -70,6 +71,7 @@ class Gated:
     def __iter__(self):
         for i in range(self.n):
             if i == self.gate_at:
+                self.at_gate.set()
                 assert self.gate.wait(30.0)
             time.sleep(self.delay)
             yield {"index": np.array([BATCH * i, BATCH * i + 1], np.int32)}
@@ -193,6 +195,7 @@ def test_a_ctrl_c_during_close_does_not_count_a_live_producer_as_ended():
         prefetch=1,
         packer=Stacked(jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])),
     )
+    assert data.at_gate.wait(10.0)  # (a producer stopped before it got there would just end)
     main = threading.main_thread().ident
     threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
