@@ -15,6 +15,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 from _common import machine, save, table, workload
 
 from sinkax.execution.compiler import Compiler
@@ -31,7 +32,7 @@ def compile_seconds(w, sink_size: int, repeats: int) -> float:
     for _ in range(repeats):
         jax.clear_caches()
         t0 = time.perf_counter()
-        Compiler.lower(scan_program(w.step, sink_size), state, chunk, 0).compile()
+        Compiler.lower(scan_program(w.step, sink_size), state, chunk, np.int32(0)).compile()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

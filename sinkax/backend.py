@@ -66,7 +66,7 @@ def _backend(platform: str) -> Backend:
         python_callbacks=jax_own,  # jax refuses them on a plugin's own platform name
         ffi=jax_own,  # a plugin's handlers go through its FFI extension, not jax.ffi
         num_devices=len(jax.devices(platform)),
-        xla_cpu=cpu,
+        xla_cpu=cpu or pjrt.compiles_with_xla_cpu(platform),  # the emulated device too
     )
 
 

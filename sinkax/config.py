@@ -106,6 +106,7 @@ class SinkConfig:
     timeout: float
     sharding: Sharding  # of one batch
     save_graphs: str | None
+    calls: int | None = None  # the calls the sink will make, when known
 
     @classmethod
     def of(
@@ -120,9 +121,17 @@ class SinkConfig:
         device: jax.Device | str | None = None,
         sharding: Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
+        calls: int | None = None,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
+        if calls is not None and (
+            isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1
+        ):
+            raise ValueError(
+                f"calls must be an int >= 1 (the calls this sink will make) or None (as many "
+                f"as you like), got {calls!r}."
+            )
         return cls(
             sink_size=int(sink_size),
             jit=bool(jit),
@@ -134,6 +143,7 @@ class SinkConfig:
                 None if device is None else sink_device(device), sharding, default_device
             ),
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
+            calls=None if calls is None else int(calls),
         )
 
     def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:

@@ -15,3 +15,7 @@ class SinkTimeoutError(SinkError, TimeoutError):
 
 class SinkClosedError(SinkError):
     """The sink was used after :meth:`~sinkax.Sink.close`."""
+
+
+class SinkExhaustedError(SinkError):
+    """The sink has made the ``calls`` it was created for: its producer read no data past them."""

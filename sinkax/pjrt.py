@@ -132,6 +132,16 @@ def use_emulated(costs: str | Preset = "pcie4-x16") -> str:
     return use_plugin(sinkax_pjrt.cpu_plugin_path(), EMULATED_PLATFORM, costs=costs)
 
 
+def compiles_with_xla_cpu(platform: str) -> bool:
+    """Whether ``platform`` is the plugin's over XLA:CPU (the emulated device): XLA:CPU then
+    compiles its programs, with what that implies (see :class:`sinkax.backend.Backend`)."""
+    if not _loaded or _loaded[0].platform != platform:
+        return False
+    import sinkax_pjrt
+
+    return _loaded[0].inner_path == sinkax_pjrt.cpu_plugin_path()
+
+
 def loaded_platform() -> str | None:
     """The platform the plugin registered in this process, or ``None``."""
     return _loaded[0].platform if _loaded else None
@@ -154,6 +164,15 @@ def interactions() -> Interactions:
     values = (ctypes.c_uint64 * _COUNTERS)()
     _library().sinkax_pjrt_counters(values, _COUNTERS)
     return Interactions(*values)
+
+
+def memory(reset_peak: bool = False) -> tuple[int, int]:
+    """``(live, peak)`` bytes of the buffers on the plugin's devices, all together (the peak since
+    the plugin loaded, or since the last ``reset_peak=True``, which then starts a new peak at
+    the live bytes). ``jax.Device.memory_stats()`` gives the same per device."""
+    values = (ctypes.c_int64 * 2)()
+    _library().sinkax_pjrt_memory(values, int(reset_peak))
+    return values[0], values[1]
 
 
 def _library() -> ctypes.CDLL:

@@ -100,3 +100,15 @@ def place_state(state: Any, sharding: Sharding) -> Any:
         return jax.device_put(leaf, target)
 
     return jax.tree.map(place, state)
+
+
+def memory(sharding: Sharding) -> dict[str, int | None]:
+    """``device_bytes`` and ``peak_device_bytes`` of ``sharding``'s devices in this process,
+    summed, from their ``memory_stats()``; ``None`` where a device reports none."""
+    stats = [device.memory_stats() for device in sharding.addressable_devices]
+    if not stats or any(not s or "bytes_in_use" not in s for s in stats):
+        return {"device_bytes": None, "peak_device_bytes": None}
+    return {
+        "device_bytes": sum(s["bytes_in_use"] for s in stats),
+        "peak_device_bytes": sum(s.get("peak_bytes_in_use", s["bytes_in_use"]) for s in stats),
+    }

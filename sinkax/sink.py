@@ -44,8 +44,13 @@ class SinkStats:
     ``data_wait_s`` is time the caller waited for data (input-bound); ``slot_wait_s`` is time the
     producer waited for a free device slot (compute-bound). With the ``"step"`` strategy the
     chunks and bytes counted were handed over unstacked; XLA takes each batch at dispatch.
+    ``chunks_padded``: chunks that moved only their batches, fewer than a slot holds (the first,
+    one a waiting call cut short, the last), padded on the device by one small launch each.
     ``interactions``: on a device of sinkax's PJRT plugin (:mod:`sinkax.pjrt`), the process's
     host–device interactions since the sink was created (other work in between counts too).
+    ``device_bytes`` and ``peak_device_bytes``: the bytes in use on the sink's devices now and at
+    most, as their ``memory_stats()`` report them (every user of the devices counts; the
+    emulated device and GPUs report them, ``None`` where a device does not, as XLA:CPU's).
     """
 
     steps: int
@@ -53,6 +58,7 @@ class SinkStats:
     dispatches: int
     compiles: int
     chunks_transferred: int
+    chunks_padded: int
     bytes_transferred: int
     max_chunks_on_device: int
     data_wait_s: float
@@ -60,6 +66,8 @@ class SinkStats:
     strategy: str
     strategy_timings: dict[str, float]
     interactions: pjrt.Interactions | None = None
+    device_bytes: int | None = None
+    peak_device_bytes: int | None = None
 
     @property
     def bound(self) -> str:
@@ -91,6 +99,8 @@ class Sink:
         self.config = config = SinkConfig.of(sink_size, **options)
         self.fn, self.sink_size = fn, config.sink_size
         source = as_source(dataset, read_options)
+        # before the producer starts: its first transfers are this sink's
+        self._interactions_at_start = pjrt.counted(placement.platform(config.sharding))
         try:
             steps = config.check_length(source.epoch_length, dataset)
             recorded = recorded_strategy(data_state)
@@ -106,7 +116,6 @@ class Sink:
         except Exception:  # bad options or data_state, or processes that disagree
             source.close()
             raise
-        self._interactions_at_start = pjrt.counted(placement.platform(config.sharding))
         self._running = self._closed = False
 
     def __call__(self, state: Any = NO_STATE) -> Any:
@@ -139,6 +148,7 @@ class Sink:
                     else:  # a failure between dispatches would lose it: work on a copy
                         carry = copy_tree(carry)
                 carry, outs = executor.run(carry, data, offset, piece.steps)
+                del data  # the next piece may free its slot: hold no reference past it
                 parts.append(outs)  # from here on, an interrupted call has consumed data
                 cursor.ran(piece, (carry, outs))
                 if piece.ends_call:
@@ -220,7 +230,11 @@ class Sink:
     def stats(self) -> SinkStats:
         """A snapshot of :class:`SinkStats`."""
         counts = {**self._cursor.counts(), **self._executor.counts()}
-        return SinkStats(**counts, interactions=pjrt.since(self._interactions_at_start))
+        return SinkStats(
+            **counts,
+            interactions=pjrt.since(self._interactions_at_start),
+            **placement.memory(self.config.sharding),
+        )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -20,6 +20,7 @@ from conftest import init_state, reference_run, regression_batches, train_step
 import sinkax
 from sinkax import pjrt
 from sinkax.backend import backend_of, resolve_device
+from sinkax.execution.windowed import loop_body
 from sinkax.presets import Preset
 from sinkax.train import DatasetHelper, connect_network_with_dataset
 
@@ -64,6 +65,17 @@ def test_backends_describe_what_each_platform_can_do(emu):
     assert (cpu.host_is_device, cpu.aliases_host_buffers, cpu.python_callbacks) == (True,) * 3
     assert (emulated.python_callbacks, emulated.ffi) == (False, False)
     assert emulated.num_devices == len(jax.devices("emu"))
+    # the emulated device's programs are compiled by XLA:CPU, so its loop bodies get the
+    # convolution rewrite that XLA:CPU needs there; it is no CPU device for the rest
+    assert cpu.xla_cpu and emulated.xla_cpu and not emulated.host_is_device
+
+    def conv(x):
+        return jax.lax.conv_general_dilated(x, x, (1, 1), "VALID")
+
+    x = jax.ShapeDtypeStruct((1, 1, 4, 4), np.float32)
+    for backend in (cpu, emulated):
+        hlo = jax.jit(loop_body(conv, backend)).lower(x).as_text()
+        assert "transpose" in hlo  # NHWC between transposes (sinkax.execution.rewrite)
 
     def with_callback(x):
         return jax.experimental.io_callback(lambda v: v, x, x)
@@ -141,14 +153,15 @@ def test_a_sink_is_one_launch_per_call_and_one_transfer_per_chunk(
     sink.close()  # the producer stops: no transfer after the snapshot below
     stats, counted = sink.stats, pjrt.interactions() - before
     chunks, steps = stats.chunks_transferred, calls * sink_size
-    # a call's start: the output buffer (one leaf: the loss), batch and row index, and for
-    # the scan its trip count
+    # nothing per call: the chunks, and a chunk's first position once (the next window starts
+    # where the last one ended, on the device); output buffers are made on the device
+    assert counted.h2d == chunks * BATCH_LEAVES + 1
+    assert counted.h2d_bytes == stats.bytes_transferred + 4
+    pads = stats.chunks_padded  # a chunk short of its slot is padded on the device (the first)
     if strategy == "scan":  # one program per call
-        assert counted.launches == calls
-        assert counted.h2d == chunks * BATCH_LEAVES + (1 + 3) * calls
-    else:  # one program per step
-        assert counted.launches == steps
-        assert counted.h2d == chunks * BATCH_LEAVES + (1 + 2) * calls
+        assert counted.launches == calls + pads
+    else:  # one program per step, and one that starts the window
+        assert counted.launches == steps + calls + pads
     assert counted.d2h == 0 and stats.interactions == sink.stats.interactions
 
 
@@ -158,11 +171,49 @@ def test_sink_stats_count_interactions_on_the_plugins_device_only(emu, counting,
         jax.block_until_ready(state)
         np.asarray(loss)
         counted = sink.stats.interactions
-    assert counted.launches == 1 and counted.d2h == 1 and counted.d2h_bytes == loss.nbytes
+    pads = sink.stats.chunks_padded
+    assert counted.launches == 1 + pads and counted.d2h == 1 and counted.d2h_bytes == loss.nbytes
     assert counted.h2d >= len(jax.tree.leaves(state)) + BATCH_LEAVES  # state once, a chunk
     with sinkax.data_sink(train_step, batches, 5, device=jax.devices("cpu")[0]) as sink:
         sink(init_state())
         assert sink.stats.interactions is None
+
+
+@pytest.mark.parametrize("strategy", ["scan", "loop"])
+def test_a_sink_holds_at_most_prefetch_plus_one_chunks_in_device_memory(emu, counting, strategy):
+    batch = np.zeros(1 << 18, np.float32)  # 1 MiB: the chunks dominate the device memory
+    batches = [batch + i for i in range(8)]
+    state = on_device(jnp.float32(0), emu)
+    live, _ = pjrt.memory(reset_peak=True)
+    with sinkax.data_sink(
+        lambda s, b: (s + b[0], s), batches, 1, device=emu, prefetch=1,
+        max_chunk_bytes=batch.nbytes, strategy=strategy,
+    ) as sink:  # fmt: skip
+        for _ in range(30):
+            state, _ = sink(state)
+        jax.block_until_ready(state)
+        stats = sink.stats
+    _, peak = pjrt.memory()
+    assert stats.chunks_transferred >= 30 and stats.peak_device_bytes >= peak - live
+    assert peak - live <= 2 * batch.nbytes + 4096  # two chunks, a state, outputs, positions
+    assert pjrt.memory()[0] <= live + 64  # freed on close, but for the state
+
+
+def test_a_donating_call_returns_before_its_compute_ends(emu, counting):
+    def slow(x):
+        for _ in range(40):
+            x = jnp.tanh(x @ x * 1e-3)
+        return x
+
+    step = jax.jit(slow, donate_argnums=0)
+    x = jax.block_until_ready(step(on_device(jnp.ones((400, 400)), emu)))  # compiled
+    t0 = time.perf_counter()
+    for _ in range(5):  # each call donates what the last one is still computing
+        x = step(x)
+    launched = time.perf_counter() - t0
+    jax.block_until_ready(x)
+    computed = time.perf_counter() - t0
+    assert launched < computed / 3  # as on a device stream: the host ran ahead
 
 
 def test_emulated_transfers_complete_late_and_launches_cost_time(emu):

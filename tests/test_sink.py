@@ -635,6 +635,17 @@ def test_at_most_prefetch_plus_one_chunks_on_the_device():
     assert stats.chunks_transferred <= stats.calls + 3
 
 
+def test_loop_sinks_of_one_step_make_outputs_of_their_own_layout():
+    def step(state, batch):
+        return state + 1, batch
+
+    for width in (1, 4):  # one step function: its executables are shared, by layout
+        data = [np.full(width, i, np.int32) for i in range(6)]
+        with sinkax.data_sink(step, data, 3, strategy="loop") as sink:
+            _, outs = sink(jnp.int32(0))
+        np.testing.assert_array_equal(outs, np.repeat(np.arange(3)[:, None], width, 1))
+
+
 def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
     step = functools.partial(train_step)
     assert run_sink(batches, 3, 2, step=step, strategy="scan")[2].compiles == 1
@@ -642,28 +653,40 @@ def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
     assert run_sink(batches, 4, 2, step=step, strategy="scan")[2].compiles == 1
 
 
-def test_auto_decides_inside_the_first_call(batches, monkeypatch):
-    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # trials of one step: 12 are enough
+def measured(sink, state):
+    """Calls ``sink`` until ``"auto"`` has decided (trials of one window each with TRIAL_S=0:
+    scan, loop, then scan again unless loop was clearly slower): the state and the calls made."""
+    calls = 0
+    while sink.stats.strategy.startswith("auto"):
+        state, _ = sink(state)
+        calls += 1
+    return state, calls
+
+
+def test_auto_decides_after_a_window_of_each_and_compiles_one_executable_each(batches, monkeypatch):
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
         state = init_state()
         assert sink.stats.strategy == "auto"
-        state, _ = sink(state)
+        state, calls = measured(sink, state)
         decided = sink.stats
-        before = decided.dispatches
         state, _ = sink(state)
         stats = sink.stats
+    assert calls in (2, 3)  # scan, loop (and scan again unless loop was clearly slower)
     assert decided.strategy in ("scan", "loop")
     assert set(decided.strategy_timings) == {"scan", "loop"}
-    assert stats.dispatches - before == {"scan": 1, "loop": 12}[stats.strategy]
-    assert stats.compiles == 2 and stats.steps == 24  # one executable each, for any window
+    assert stats.dispatches - decided.dispatches == {"scan": 1, "loop": 13}[stats.strategy]
+    # scan's window, loop's step and the small program that starts its window: for any
+    # position in the chunk
+    assert stats.compiles == 3 and stats.steps == 12 * (calls + 1)
     assert stats.bound in ("input", "compute")
-    assert run_sink(batches, 5, 2, strategy="loop")[2].dispatches == 10
+    assert run_sink(batches, 5, 2, strategy="loop")[2].dispatches == 12  # 2 x (5 + 1)
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
 
 
 def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
     with sinkax.data_sink(functools.partial(train_step), batches, 4) as sink:
-        state, _ = sink(init_state())  # 2 warm-up steps, 1 timed step, 1 step of a trial
+        state, _ = sink(init_state())  # a window far shorter than a trial
         assert sink.stats.strategy == "auto (measuring)"
         while sink.stats.strategy.startswith("auto") and sink.stats.calls < 10_000:
             state, _ = sink(state)
@@ -673,22 +696,22 @@ def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
 
 
 def test_auto_reuses_the_decision_for_the_step_until_reselect(batches, monkeypatch):
-    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # decided in the first call
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     step = functools.partial(train_step)
     with sinkax.data_sink(step, batches, 12) as first:
-        first(init_state())
+        measured(first, init_state())
         chosen = first.stats.strategy
     with sinkax.data_sink(step, batches, 12) as second:
         state, _ = second(init_state())
         assert second.stats.strategy == chosen and second.stats.strategy_timings == {}
         second.reselect()
         assert second.stats.strategy == "auto (measuring)"
-        second(state)
+        measured(second, state)
         assert set(second.stats.strategy_timings) == {"scan", "loop"}
     with sinkax.data_sink(step, batches, 12) as third:
-        third.reselect()  # before the first call: measures in it
-        third(init_state())
-        assert set(third.stats.strategy_timings) == {"scan", "loop"}
+        third.reselect()  # before the first call: measures from it on
+        state, calls = measured(third, init_state())
+        assert set(third.stats.strategy_timings) == {"scan", "loop"} and calls in (2, 3)
     with (
         sinkax.data_sink(step, batches, 12, strategy="scan") as pinned,
         pytest.raises(ValueError, match="reselect"),
@@ -707,10 +730,12 @@ def test_the_callers_state_is_donated_alike_while_measuring_and_after(batches, s
 
 
 def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
-    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # decided in the first call
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
         assert "strategy" not in sink.data_state()  # not known before the first call
         sink(init_state())
+        assert "strategy" not in sink.data_state()  # nor while measuring
+        measured(sink, init_state())
         saved = json.loads(json.dumps(sink.data_state()))
     assert saved["strategy"] == sink.stats.strategy
     for recorded in ("scan", "loop"):
@@ -744,15 +769,9 @@ class _Timed:
     def dispatches(self, steps):
         return 1
 
-    def start(self, state, chunk, offset, steps):
+    def run(self, state, chunk, offset, steps):
+        self._clock.now += next(self._costs) * steps
         return state, None
-
-    def executable(self, carry, chunk, steps):
-        return None
-
-    def advance(self, executable, carry, chunk, n):
-        self._clock.now += next(self._costs) * n
-        return carry
 
 
 @pytest.mark.parametrize(
@@ -767,14 +786,15 @@ class _Timed:
 def test_auto_keeps_scan_unless_loop_beats_its_best_trial(
     monkeypatch, scan_trials, loop_trials, chosen, trials_run
 ):
-    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 10)  # 10 steps of cost 1 a trial
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 10)  # a window of 10 steps a trial
     clock = types.SimpleNamespace(now=0.0)
-    rest = [1] * 10  # steps after the decision
-    scan = _Timed("scan", [1, 1, *scan_trials, *rest], clock)  # warm-up, timed step, trials
-    loop = _Timed("loop", [1, *loop_trials, *rest], clock)
+    rest = [1] * 10  # windows after the decision
+    scan = _Timed("scan", [*scan_trials, *rest], clock)
+    loop = _Timed("loop", [*loop_trials, *rest], clock)
     compiler = sinkax.execution.compiler.Compiler(None, "fake")
     auto = sinkax.execution.auto.Auto([scan, loop], compiler, clock=lambda: clock.now)
-    auto.run(None, jnp.zeros(43), 0, 43)  # 3 steps before the trials, then 3 x 10
+    while auto.chosen is None:
+        auto.run(None, jnp.zeros(10), 0, 10)
     assert auto.chosen.name == chosen
     assert sum(map(math.isfinite, auto.timings.values())) == 2
     assert next(scan._costs) == next(loop._costs) == 1  # every trial ran, none twice
@@ -856,7 +876,7 @@ def test_a_state_of_python_numbers_compiles_once(batches, strategy, start):
         total = start
         for _ in range(4):
             total, _ = sink(total)
-        assert sink.stats.compiles == 1
+        assert sink.stats.compiles == {"scan": 1, "loop": 2}[strategy]  # loop: its start too
 
 
 def test_a_step_that_changes_the_states_dtype_is_refused_by_name(batches):

@@ -7,15 +7,18 @@
 //   * present a platform of its own name, optionally as a discrete device: Buffer_IsOnCpu=false,
 //     host buffers always copied, never aliased;
 //   * optionally charge an emulated cost model: a launch cost per execute, and latency + bytes /
-//     bandwidth per transfer on one copy engine per direction, completed asynchronously.
+//     bandwidth per transfer on one copy engine per direction, completed asynchronously;
+//   * launch asynchronously, as a device stream does, also when inputs are donated (see Execute);
+//   * report each device's live and peak bytes of buffers (Device_MemoryStats, and
+//     sinkax_pjrt_memory for Python).
 //
 // Cost model (all times on the host's steady clock):
 //   host->device: the copy is made during the call (the data really moves), the buffer's ready
 //     event fires at  done = max(now, copy_engine_free) + latency + bytes / bandwidth,  and the copy
 //     engine is busy until then. The host does not wait.
-//   execute: the host waits until every input buffer is ready (as a device stream would), then
-//     spends the launch cost, then launches the inner executable (which computes at this CPU's
-//     speed, asynchronously).
+//   execute: the host waits until every input buffer has arrived, then spends the launch cost,
+//     then launches the inner executable, which computes at this CPU's speed, asynchronously:
+//     the call returns before its compute ends, the outputs' events fire when it does.
 //   device->host: the read-back event fires latency + bytes / bandwidth after the inner copy is
 //     done.
 // Events whose completion is delayed are wrapped; a timer thread runs their callbacks on time.
@@ -28,6 +31,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -228,6 +232,108 @@ uint64_t element_bits(PJRT_Buffer_Type type) {
   }
 }
 
+// An inner error the forwarder handles itself.
+void forget(PJRT_Error* error) {
+  PJRT_Error_Destroy_Args destroy{PJRT_Error_Destroy_Args_STRUCT_SIZE, nullptr, error};
+  inner->PJRT_Error_Destroy(&destroy);
+}
+
+// ---- device memory: live and peak bytes per device --------------------------------------------
+// Counted when a buffer is made (a host transfer, an execution's output) and when jax deletes or
+// destroys it (or an execution donates it); the memory of a buffer still read by a pending
+// execution is counted free from then on.
+struct Usage {
+  int64_t live = 0, peak = 0;
+};
+std::mutex memory_mutex;
+std::unordered_map<PJRT_Buffer*, std::pair<PJRT_Device*, int64_t>> buffer_bytes;
+std::unordered_map<PJRT_Device*, Usage> usage;
+Usage total;  // every device together
+
+PJRT_Device* device_of(PJRT_Buffer* buffer) {
+  PJRT_Buffer_Device_Args args{PJRT_Buffer_Device_Args_STRUCT_SIZE, nullptr, buffer, nullptr};
+  PJRT_Error* error = inner->PJRT_Buffer_Device(&args);
+  if (error) {
+    forget(error);
+    return nullptr;
+  }
+  return args.device;
+}
+
+void track(PJRT_Buffer* buffer, int64_t bytes) {
+  PJRT_Device* device = device_of(buffer);
+  std::lock_guard<std::mutex> lock(memory_mutex);
+  buffer_bytes[buffer] = {device, bytes};
+  for (Usage* u : {&usage[device], &total}) {
+    u->live += bytes;
+    u->peak = std::max(u->peak, u->live);
+  }
+}
+
+void untrack(PJRT_Buffer* buffer) {
+  std::lock_guard<std::mutex> lock(memory_mutex);
+  auto it = buffer_bytes.find(buffer);
+  if (it == buffer_bytes.end()) return;
+  usage[it->second.first].live -= it->second.second;
+  total.live -= it->second.second;
+  buffer_bytes.erase(it);
+}
+
+bool is_deleted(PJRT_Buffer* buffer) {
+  PJRT_Buffer_IsDeleted_Args args{PJRT_Buffer_IsDeleted_Args_STRUCT_SIZE, nullptr, buffer, false};
+  PJRT_Error* error = inner->PJRT_Buffer_IsDeleted(&args);
+  if (!error) return args.is_deleted;
+  forget(error);
+  return false;
+}
+
+// ---- executables: their outputs, and which inputs they donate -------------------------------
+// XLA:CPU's plugin waits, inside Execute, for a donated input that an earlier execution has not
+// finished computing: a donating loop would then launch one step at a time, as no device stream
+// does. So an executable's donated inputs are learned at its first execution (the inputs it
+// deleted), and from then on it runs with no input donated, after which sinkax deletes those
+// inputs itself: the launch returns at once, the inputs' memory is freed once the execution
+// that reads them is done, and jax sees them donated as before.
+struct ExecutableInfo {
+  std::vector<int64_t> output_bytes;  // of each output, on one device
+  bool probed = false;
+  std::vector<bool> donated;  // by argument index
+};
+std::mutex executables_mutex;
+std::unordered_map<PJRT_LoadedExecutable*, ExecutableInfo> executables;
+
+// The bytes of each output of `loaded` on one device, from its compiled shapes (asking a pending
+// output buffer its size would wait for its computation). Empty if the inner plugin cannot say.
+std::vector<int64_t> output_bytes(PJRT_LoadedExecutable* loaded) {
+  PJRT_LoadedExecutable_GetExecutable_Args get{
+      PJRT_LoadedExecutable_GetExecutable_Args_STRUCT_SIZE, nullptr, loaded, nullptr};
+  if (PJRT_Error* error = inner->PJRT_LoadedExecutable_GetExecutable(&get)) {
+    forget(error);
+    return {};
+  }
+  std::vector<int64_t> bytes;
+  PJRT_Executable_OutputElementTypes_Args types{
+      PJRT_Executable_OutputElementTypes_Args_STRUCT_SIZE, nullptr, get.executable, nullptr, 0};
+  PJRT_Executable_OutputDimensions_Args dims{PJRT_Executable_OutputDimensions_Args_STRUCT_SIZE,
+                                             nullptr, get.executable, 0, nullptr, nullptr};
+  PJRT_Error* error = inner->PJRT_Executable_OutputElementTypes(&types);
+  if (!error) error = inner->PJRT_Executable_OutputDimensions(&dims);
+  if (error) {
+    forget(error);
+  } else if (dims.num_outputs == types.num_output_types) {
+    const int64_t* dim = dims.dims;
+    for (size_t o = 0; o < dims.num_outputs; ++o) {
+      uint64_t elements = 1;
+      for (size_t k = 0; k < dims.dim_sizes[o]; ++k) elements *= static_cast<uint64_t>(*dim++);
+      bytes.push_back(static_cast<int64_t>((elements * element_bits(types.output_types[o]) + 7) / 8));
+    }
+  }
+  PJRT_Executable_Destroy_Args free_it{PJRT_Executable_Destroy_Args_STRUCT_SIZE, nullptr,
+                                       get.executable};
+  inner->PJRT_Executable_Destroy(&free_it);
+  return bytes;
+}
+
 // ---- replaced entries ------------------------------------------------------------------------
 PJRT_Error* PlatformName(PJRT_Client_PlatformName_Args* args) {
   if (config.platform_name.empty()) return inner->PJRT_Client_PlatformName(args);
@@ -277,7 +383,9 @@ PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
     args->host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;  // a real copy
   }
   PJRT_Error* error = inner->PJRT_Client_BufferFromHostBuffer(args);
-  if (error || !costs_on.load(std::memory_order_relaxed)) return error;
+  if (error) return error;
+  track(args->buffer, static_cast<int64_t>(bytes));
+  if (!costs_on.load(std::memory_order_relaxed)) return nullptr;
   Costs c = current_costs();
   std::lock_guard<std::mutex> lock(timeline_mutex);
   auto start = std::max(Clock::now(), h2d_engine_free);
@@ -286,7 +394,13 @@ PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
   return nullptr;
 }
 
+PJRT_Error* BufferDelete(PJRT_Buffer_Delete_Args* args) {
+  untrack(args->buffer);
+  return inner->PJRT_Buffer_Delete(args);
+}
+
 PJRT_Error* BufferDestroy(PJRT_Buffer_Destroy_Args* args) {
+  untrack(args->buffer);
   {
     std::lock_guard<std::mutex> lock(timeline_mutex);
     arrives.erase(args->buffer);
@@ -301,6 +415,22 @@ PJRT_Error* BufferReadyEvent(PJRT_Buffer_ReadyEvent_Args* args) {
   return error;
 }
 
+PJRT_Error* LoadedExecutableDestroy(PJRT_LoadedExecutable_Destroy_Args* args) {
+  {
+    std::lock_guard<std::mutex> lock(executables_mutex);
+    executables.erase(args->executable);
+  }
+  return inner->PJRT_LoadedExecutable_Destroy(args);
+}
+
+// Whether input `index` must stay undonated: jax lists such inputs (e.g. passed twice).
+bool kept_by_caller(const PJRT_ExecuteOptions* options, size_t index) {
+  if (!options) return false;
+  for (size_t k = 0; k < options->num_non_donatable_input_indices; ++k)
+    if (options->non_donatable_input_indices[k] == static_cast<int64_t>(index)) return true;
+  return false;
+}
+
 PJRT_Error* Execute(PJRT_LoadedExecutable_Execute_Args* args) {
   counters[kLaunches].fetch_add(1, std::memory_order_relaxed);
   if (costs_on.load(std::memory_order_relaxed)) {
@@ -312,7 +442,64 @@ PJRT_Error* Execute(PJRT_LoadedExecutable_Execute_Args* args) {
     Costs c = current_costs();
     wait_until(Clock::now() + transfer_time(c.launch_s, 0, 0));
   }
-  return inner->PJRT_LoadedExecutable_Execute(args);
+  ExecutableInfo info;
+  {
+    std::lock_guard<std::mutex> lock(executables_mutex);
+    info = executables[args->executable];
+  }
+  bool donates = std::find(info.donated.begin(), info.donated.end(), true) != info.donated.end();
+  PJRT_Error* error;
+  if (!info.probed || !donates || !args->options) {
+    error = inner->PJRT_LoadedExecutable_Execute(args);  // the first run may wait: see above
+  } else {
+    PJRT_ExecuteOptions options{};
+    size_t size = std::min(args->options->struct_size, sizeof(PJRT_ExecuteOptions));
+    std::memcpy(&options, args->options, size);
+    options.struct_size = size;
+    std::vector<int64_t> every(args->num_args);
+    for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<int64_t>(i);
+    options.non_donatable_input_indices = every.data();
+    options.num_non_donatable_input_indices = every.size();
+    PJRT_LoadedExecutable_Execute_Args undonated = *args;
+    undonated.options = &options;
+    error = inner->PJRT_LoadedExecutable_Execute(&undonated);
+  }
+  if (error) return error;
+  if (!info.probed) {
+    info.probed = true;
+    info.output_bytes = output_bytes(args->executable);
+    info.donated.assign(args->num_args, false);
+    for (size_t i = 0; i < args->num_args && args->num_devices > 0; ++i)
+      info.donated[i] = is_deleted(args->argument_lists[0][i]);
+    std::lock_guard<std::mutex> lock(executables_mutex);
+    executables[args->executable] = info;
+  }
+  for (size_t i = 0; i < info.donated.size() && i < args->num_args; ++i) {
+    if (!info.donated[i] || kept_by_caller(args->options, i)) continue;
+    for (size_t d = 0; d < args->num_devices; ++d) {
+      PJRT_Buffer* donated = args->argument_lists[d][i];
+      untrack(donated);
+      if (!donates) continue;  // the first run: the inner plugin consumed it already
+      PJRT_Buffer_Delete_Args remove{PJRT_Buffer_Delete_Args_STRUCT_SIZE, nullptr, donated};
+      if (PJRT_Error* failed = inner->PJRT_Buffer_Delete(&remove)) forget(failed);
+    }
+  }
+  for (size_t d = 0; d < args->num_devices; ++d)
+    for (size_t o = 0; o < info.output_bytes.size(); ++o)
+      if (PJRT_Buffer* out = args->output_lists[d][o]) track(out, info.output_bytes[o]);
+  return nullptr;
+}
+
+PJRT_Error* MemoryStats(PJRT_Device_MemoryStats_Args* args) {
+  size_t size = std::min(args->struct_size, sizeof(PJRT_Device_MemoryStats_Args));
+  size_t head = offsetof(PJRT_Device_MemoryStats_Args, bytes_in_use);
+  if (size > head) std::memset(reinterpret_cast<char*>(args) + head, 0, size - head);
+  std::lock_guard<std::mutex> lock(memory_mutex);
+  Usage u = usage[args->device];
+  args->bytes_in_use = u.live;
+  args->peak_bytes_in_use = u.peak;
+  args->peak_bytes_in_use_is_set = true;
+  return nullptr;
 }
 
 PJRT_Error* ToHostBuffer(PJRT_Buffer_ToHostBuffer_Args* args) {
@@ -433,6 +620,17 @@ SINKAX_EXPORT size_t sinkax_pjrt_counters(uint64_t* out, size_t n) {
   return kNumCounters;
 }
 
+// Writes (live bytes, peak bytes) of every device together into out[0..2); resets the peaks to
+// the live bytes if `reset_peak`.
+SINKAX_EXPORT void sinkax_pjrt_memory(int64_t* out, int reset_peak) {
+  std::lock_guard<std::mutex> lock(memory_mutex);
+  out[0] = total.live;
+  out[1] = total.peak;
+  if (!reset_peak) return;
+  total.peak = total.live;
+  for (auto& entry : usage) entry.second.peak = entry.second.live;
+}
+
 // The error dlopen/dlsym gave while loading the inner plugin, or "".
 static std::string load_error;
 SINKAX_EXPORT const char* sinkax_pjrt_load_error() { return load_error.c_str(); }
@@ -464,6 +662,9 @@ SINKAX_EXPORT const PJRT_Api* GetPjrtApi() {
   api->PJRT_Client_Compile = Compile;
   api->PJRT_Client_BufferFromHostBuffer = BufferFromHostBuffer;
   api->PJRT_Buffer_Destroy = BufferDestroy;
+  api->PJRT_Buffer_Delete = BufferDelete;
+  api->PJRT_LoadedExecutable_Destroy = LoadedExecutableDestroy;
+  api->PJRT_Device_MemoryStats = MemoryStats;
   api->PJRT_Buffer_ReadyEvent = BufferReadyEvent;
   api->PJRT_LoadedExecutable_Execute = Execute;
   api->PJRT_Buffer_ToHostBuffer = ToHostBuffer;

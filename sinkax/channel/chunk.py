@@ -38,6 +38,7 @@ class ChannelStats:
 
     batches: int = 0
     chunks: int = 0
+    padded: int = 0  # chunks moved short of their slot and padded on the device: one launch each
     bytes: int = 0
     busy_s: float = 0.0
     slot_wait_s: float = 0.0

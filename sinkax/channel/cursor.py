@@ -65,6 +65,7 @@ class Cursor:
         self._plan = functools.partial(
             plan, config.sink_size, source.epoch_length, config.max_chunk_bytes
         )
+        self._calls = config.calls  # the calls the sink will make, if known
         self.prefetch, self.timeout = config.prefetch, config.timeout
         if data_state is not None:
             move_to(source, data_state)
@@ -105,6 +106,7 @@ class Cursor:
             "steps": self.steps,
             "calls": self.calls,
             "chunks_transferred": ring.chunks,
+            "chunks_padded": ring.padded,
             "bytes_transferred": ring.bytes,
             "max_chunks_on_device": ring.max_chunks_on_device,
             "data_wait_s": self.data_wait_s,
@@ -176,6 +178,7 @@ class Cursor:
             # Taking a chunk moves the ring: if anything interrupts this before the chunk is
             # recorded, the next call rewinds to the committed position (nothing is lost).
             self._resync = True
+            self._chunk = None  # no reference past its slot: at most prefetch + 1 chunks live
             self._finish_in_flight()  # frees the used-up chunk's slot
             try:
                 chunk = self._next_chunk()
@@ -227,9 +230,11 @@ class Cursor:
     # -- the ring ------------------------------------------------------------------------
     def _start_ring(self) -> None:
         with interrupt.held():  # a producer started is a producer recorded (and closed)
+            left = None if self._calls is None else self._calls - self.calls
             self._ring = DeviceRing(
                 self._source,
-                self._plan,  # holds no reference to the cursor: an unclosed sink is collected
+                # holds no reference to the cursor: an unclosed sink is collected
+                functools.partial(self._plan, calls=left),
                 prefetch=self.prefetch,
                 packer=self._packer,
             )

@@ -22,8 +22,9 @@
 >>> build = Build(packer.allocate(spec, steps=2), t0=0.0)
 >>> for i in range(2):
 ...     packer.write(build, spec, [np.float32(i)]); build.filled += 1
->>> packer.pack(build, spec, steps=2)["x"].tolist()
-[0.0, 1.0]
+>>> data, moved, padded = packer.pack(build, spec, steps=2)
+>>> data["x"].tolist(), moved, padded
+([0.0, 1.0], 8, False)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sinkax import placement
@@ -91,8 +93,9 @@ class Packer(Protocol):
     def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
         """Add a checked batch, as its leaves, as batch ``build.filled``."""
 
-    def pack(self, build: Build, spec: BatchSpec, steps: int) -> Any:
-        """The chunk's data: the first ``steps`` batches of ``build``, where the strategy runs."""
+    def pack(self, build: Build, spec: BatchSpec, steps: int) -> tuple[Any, int, bool]:
+        """The chunk's data -- the first ``steps`` batches of ``build``, where the strategy
+        runs --, the bytes moved to the device for it, and whether it was padded there."""
 
     def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
         """Own copies of the leaves of the batches written past the first ``steps``."""
@@ -106,6 +109,7 @@ class Stacked:
 
     def __init__(self, sharding: jax.sharding.Sharding):
         self._sharding = sharding
+        self._pad = jax.jit(padded, static_argnums=1, out_shardings=sharding)
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         return [aligned_zeros((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
@@ -114,13 +118,18 @@ class Stacked:
         for buffer, leaf in zip(build.staging, leaves, strict=True):
             buffer[build.filled] = leaf
 
-    def pack(self, build: Build, spec: BatchSpec, steps: int) -> Any:
-        # The whole staging buffer is transferred, so executables see one chunk shape.
-        data = placement.put(
-            jax.tree_util.tree_unflatten(spec.treedef, build.staging), self._sharding
-        )
+    def pack(self, build: Build, spec: BatchSpec, steps: int) -> tuple[Any, int, bool]:
+        # Executables see one chunk shape: a chunk with fewer batches than its slot holds (the
+        # first, one cut short, the last) moves only its batches and is padded on the device,
+        # except across processes, where every process moves its whole slot.
+        capacity = len(build.staging[0])
+        whole = steps == capacity or not self._sharding.is_fully_addressable
+        rows = build.staging if whole else [buffer[:steps] for buffer in build.staging]
+        data = placement.put(jax.tree_util.tree_unflatten(spec.treedef, rows), self._sharding)
+        if not whole:
+            data = self._pad(data, capacity)
         jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
-        return data
+        return data, sum(buffer.nbytes for buffer in rows), not whole
 
     def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
         return [[np.array(b[i]) for b in build.staging] for i in range(steps, build.filled)]
@@ -138,11 +147,16 @@ class Unstacked:
         copies = [owned_copy(leaf) for leaf in leaves]
         build.batches.append(jax.tree_util.tree_unflatten(spec.treedef, copies))
 
-    def pack(self, build: Build, spec: BatchSpec, steps: int) -> Any:
-        return tuple(build.batches[:steps])
+    def pack(self, build: Build, spec: BatchSpec, steps: int) -> tuple[Any, int, bool]:
+        return tuple(build.batches[:steps]), steps * spec.nbytes, False
 
     def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
         return [jax.tree.leaves(batch) for batch in build.batches[steps:]]
+
+
+def padded(chunk: Any, rows: int) -> Any:
+    """``chunk`` with zero batches appended up to ``rows`` (made on the device)."""
+    return jax.tree.map(lambda x: jnp.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1)), chunk)
 
 
 def of(feed: str, sharding: jax.sharding.Sharding) -> Packer:

@@ -18,19 +18,23 @@ Layout = list[tuple[int, bool]]
 Plan = Callable[[BatchSpec, Position], Iterator[Layout]]
 
 MIN_CHUNK_STEPS = 64
+MIN_CHUNK_BYTES = 8 << 20  # a chunk this large moves at the link's full rate: group no further
 
 
-def call_sizes(sink_size: int, epoch_length: int | None, start_step: int) -> Iterator[int]:
-    """Steps of successive calls: ``sink_size``, or (for ``-1``) the rest of each epoch.
+def call_sizes(
+    sink_size: int, epoch_length: int | None, start_step: int, calls: int | None = None
+) -> Iterator[int]:
+    """Steps of successive calls: ``sink_size``, or (for ``-1``) the rest of each epoch; ``calls``
+    of them, or endlessly.
 
     >>> from itertools import islice
-    >>> list(islice(call_sizes(-1, 10, start_step=3), 3))
-    [7, 10, 10]
+    >>> list(islice(call_sizes(-1, 10, start_step=3), 3)), list(call_sizes(4, None, 0, calls=2))
+    ([7, 10, 10], [4, 4])
     """
-    step = start_step
-    while True:
+    step, made = start_step, 0
+    while calls is None or made < calls:
         yield sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
-        step = 0
+        step, made = 0, made + 1
 
 
 def plan_chunks(
@@ -67,6 +71,8 @@ def plan_chunks(
         if filled >= min_steps:
             yield chunk
             chunk, filled = [], 0
+    if chunk:  # the calls ended
+        yield chunk
 
 
 def chunk_steps(max_chunk_bytes: int, spec: BatchSpec) -> int:
@@ -75,8 +81,16 @@ def chunk_steps(max_chunk_bytes: int, spec: BatchSpec) -> int:
 
 
 def plan(
-    sink_size: int, epoch_length: int | None, max_chunk_bytes: int, spec: BatchSpec, start: Position
+    sink_size: int,
+    epoch_length: int | None,
+    max_chunk_bytes: int,
+    spec: BatchSpec,
+    start: Position,
+    calls: int | None = None,
 ) -> Iterator[Layout]:
-    """The chunk layouts of a sink's calls from position ``start`` on (see :func:`plan_chunks`)."""
-    calls = call_sizes(sink_size, epoch_length, start.step)
-    return plan_chunks(calls, chunk_steps(max_chunk_bytes, spec))
+    """The chunk layouts of a sink's ``calls`` (endless if ``None``) from position ``start`` on
+    (see :func:`plan_chunks`): whole calls grouped up to :data:`MIN_CHUNK_STEPS` steps or
+    :data:`MIN_CHUNK_BYTES`, whichever comes first."""
+    sizes = call_sizes(sink_size, epoch_length, start.step, calls)
+    min_steps = min(MIN_CHUNK_STEPS, chunk_steps(MIN_CHUNK_BYTES, spec))
+    return plan_chunks(sizes, chunk_steps(max_chunk_bytes, spec), min_steps)

@@ -37,7 +37,7 @@ from sinkax.channel.chunk import ChannelStats, Chunk, Piece
 from sinkax.channel.packers import Build, Packer
 from sinkax.channel.plan import Layout, Plan
 from sinkax.channel.source import Source
-from sinkax.errors import SinkClosedError, SinkTimeoutError
+from sinkax.errors import SinkClosedError, SinkExhaustedError, SinkTimeoutError
 from sinkax.spec import BatchSpec, check
 
 
@@ -119,11 +119,17 @@ class DeviceRing:
             pending = [first]
             layouts = self._plan(self.spec, start)
             head = list(itertools.islice(layouts, 3))
-            capacity = max(_steps(layout) for layout in head)  # later layouts are alike
+            capacity = max(map(_steps, head), default=0)  # later layouts are alike
             layouts = itertools.chain(head, layouts)
             leftover: Layout = []
             while True:
-                layout = leftover or next(layouts)
+                layout = leftover or next(layouts, None)
+                if layout is None:  # the plan's calls are all read
+                    raise SinkExhaustedError(
+                        "This sink has made every call it was created for (its `calls=`), and "
+                        "its producer read no data past them. Create it with a larger `calls=`, "
+                        "or without it to run on."
+                    )
                 staging = self._acquire_slot()
                 if staging is None:
                     return
@@ -224,9 +230,10 @@ class DeviceRing:
         spec = self.spec
         assert spec is not None
         steps = sum(piece.steps for piece in build.pieces)
-        data = self.packer.pack(build, spec, steps)
+        data, moved, padded = self.packer.pack(build, spec, steps)
         self.stats.chunks += 1
-        self.stats.bytes += steps * spec.nbytes
+        self.stats.padded += padded
+        self.stats.bytes += moved
         self.stats.busy_s += time.perf_counter() - build.t0
         return Chunk(data, tuple(build.pieces)), build.staging
 

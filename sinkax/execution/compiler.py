@@ -138,13 +138,21 @@ class Compiler:
             )
 
     def get(
-        self, kind: str, steps: int, make_program: Callable[[], Callable[..., Any]], *args: Any
+        self,
+        kind: str,
+        steps: int,
+        make_program: Callable[[], Callable[..., Any]],
+        *args: Any,
+        donate: bool = True,
+        also: Any = None,
     ) -> Any:
-        """The executable of ``make_program()`` for ``args``' layout, the first arg donated."""
-        key = (kind, steps, layout(args))
+        """The executable of ``make_program()`` for ``args``' layout, the first arg donated
+        (if ``donate``); ``also``: an abstract tree the program depends on that ``args`` do not
+        show (e.g. the outputs' layout it makes), part of the cache key."""
+        key = (kind, steps, layout(args), layout(also))
         entry = self._cache.get(key)
         if entry is None:
-            lowered = self.lower(make_program(), *args)
+            lowered = self.lower(make_program(), *args, donate=donate)
             entry = self._cache[key] = (lowered, lowered.compile())
             self.compiles += 1
         if self.save_graphs and key not in self._dumped:
@@ -159,9 +167,10 @@ class Compiler:
         return self._cache[key]
 
     @staticmethod
-    def lower(program: Callable[..., Any], *args: Any) -> jax.stages.Lowered:
-        """``program`` lowered for ``args`` (concrete or ``jax.ShapeDtypeStruct``)."""
-        return jax.jit(program, donate_argnums=0).lower(*args)
+    def lower(program: Callable[..., Any], *args: Any, donate: bool = True) -> jax.stages.Lowered:
+        """``program`` lowered for ``args`` (concrete or ``jax.ShapeDtypeStruct``), the first
+        donated (if ``donate``)."""
+        return jax.jit(program, donate_argnums=0 if donate else ()).lower(*args)
 
     def _dump(self, stem: str, lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> None:
         folder = os.fspath(self.save_graphs)  # type: ignore[arg-type]

@@ -31,9 +31,8 @@ from sinkax.config import SinkConfig
 from sinkax.execution import choice as strategies
 from sinkax.execution.auto import Auto
 from sinkax.execution.compiler import Compiler
-from sinkax.execution.programs import scan_program
 from sinkax.execution.stepfn import carry_dtypes, check_step_form, stateless, with_static
-from sinkax.execution.windowed import loop_body
+from sinkax.execution.windowed import scan_window
 from sinkax.pytree import Static, check_alive, layout, partition
 from sinkax.spec import BatchSpec
 
@@ -221,5 +220,7 @@ class Executor:
         else:
             state, static = partition(state)
             fn = self.fn if static is None else with_static(self.fn, static)
-        program = scan_program(loop_body(fn, backend_of(self._sharding)), steps)
-        return Compiler.lower(program, state, spec.stacked(steps), 0)
+        program = scan_window(fn, backend_of(self._sharding), steps)
+        return Compiler.lower(
+            program, state, spec.stacked(steps), jax.ShapeDtypeStruct((), "int32")
+        )

@@ -1,29 +1,28 @@
 """The sink programs: pure functions over a window of a chunk.
 
 A *chunk* is batches stacked on a leading axis, already on the device; a call of the sink runs
-a window of ``steps`` consecutive batches of it, starting at a dynamic ``offset`` (so several
-calls can share one chunk and one transfer). Two programs run a step function
-``fn(state, batch) -> (state, out)`` over such a window:
+a window of ``steps`` consecutive batches of it, starting at ``i``, a position already on the
+device (so several calls share one chunk and one transfer, and a call transfers nothing else).
+The programs run a step function ``fn(state, batch) -> (state, out)`` over such a window:
 
-* :func:`window_program` -- ``n`` steps in one executable (a loop of dynamic trip count), each
-  reading batch ``i`` of the chunk and writing its output into row ``j`` of a stacked buffer
-  carried along; its compile time does not depend on ``steps``. :func:`scan_program` is one
-  whole window of it;
+* :func:`scan_program` -- the whole window in one executable: a loop of ``steps`` trips, known
+  when it compiles (so no backend needs to read a loop condition back per trip), whose outputs
+  the loop itself stacks; one step is a straight-line program. It returns the position after
+  the window too: where the next call's window starts, already on the device;
+* :func:`start_program` and :func:`step_program` -- the carry ``(state, outs, i, j)`` of a host
+  loop that dispatches the compiled step once per batch (batch ``i`` into row ``j`` of ``outs``),
+  with no host-side data work: the output buffer and the positions are made on the device by
+  :func:`start_program`. XLA:CPU optimises some step functions better outside a loop body (see
+  ``sinkax.execution.choice`` and ``sinkax.execution.rewrite``);
 * :func:`single_step_program` -- one step on one batch (not a chunk), its output given a
-  leading axis of one: a one-step call on a batch handed over as it is;
-* :func:`step_program` -- one step, reading batch ``i`` of the chunk and writing its output into
-  row ``j`` of a preallocated stacked buffer; a host loop dispatches it once per step, with no
-  host-side data work. XLA:CPU optimises some step functions better outside a loop body (see
-  ``sinkax.execution.choice`` and ``sinkax.execution.rewrite``).
+  leading axis of one: a one-step call on a batch handed over as it is.
 
-The two share the carry ``(state, outs, i, j)``, so a window can be run partly by one and partly
-by the other: what ``"auto"`` does while it measures. :class:`~sinkax.execution.compiler.Compiler`
-compiles them.
+:class:`~sinkax.execution.compiler.Compiler` compiles them.
 
 >>> import jax.numpy as jnp
 >>> run = scan_program(lambda s, b: (s + b, s + b), steps=2)
->>> run(jnp.float32(0), jnp.arange(4.0), 1)
-(Array(3., dtype=float32), Array([1., 3.], dtype=float32))
+>>> run(jnp.float32(0), jnp.arange(4.0), jnp.int32(1))
+(Array(3., dtype=float32), Array([1., 3.], dtype=float32), Array(3, dtype=int32))
 """
 
 from __future__ import annotations
@@ -38,14 +37,26 @@ from jax import lax
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
 
 
-def window_program(fn: StepFn) -> Callable[..., Any]:
-    """``((state, outs, i, j), chunk, n) -> carry``: :func:`step_program`'s step ``n`` times in a
-    loop -- batches ``i .. i+n`` into rows ``j .. j+n`` -- for any ``n`` (a dynamic trip count):
-    one executable runs a whole window, or any part of it."""
-    step = step_program(fn)
+def batch_at(chunk: Any, i: jax.Array) -> Any:
+    """Batch ``i`` of ``chunk`` (a dynamic index: one program serves every position)."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), chunk)
 
-    def run(carry: tuple[Any, ...], chunk: Any, n: jax.Array) -> tuple[Any, ...]:
-        return lax.fori_loop(0, n, lambda _, c: step(c, chunk), carry)
+
+def scan_program(fn: StepFn, steps: int) -> Callable[..., tuple[Any, Any, jax.Array]]:
+    """``(state, chunk, i) -> (state, outs, i + steps)``: batches ``i .. i+steps`` of ``chunk``
+    in a loop of ``steps`` trips, ``outs`` stacked by the loop."""
+
+    def run(state: Any, chunk: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
+        if steps == 1:  # a straight-line program: no loop to run
+            return (*single_step_program(fn)(state, batch_at(chunk, i)), i + 1)
+
+        def body(carry: tuple[Any, jax.Array], _: None) -> tuple[tuple[Any, jax.Array], Any]:
+            state, k = carry
+            state, out = fn(state, batch_at(chunk, k))
+            return (state, k + 1), out
+
+        (state, end), outs = lax.scan(body, (state, i), None, length=steps)
+        return state, outs, end
 
     return run
 
@@ -56,21 +67,16 @@ def out_shape(fn: StepFn, state: Any, chunk: Any) -> Any:
     return jax.eval_shape(fn, state, batch)[1]
 
 
-def empty_outs(out: Any, steps: int) -> Any:
-    """Zeros for ``steps`` stacked outputs ``out`` (see :func:`out_shape`): the buffer a
-    window fills."""
-    return jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype), out)
+def start_program(out: Any, steps: int) -> Callable[[jax.Array], tuple[Any, ...]]:
+    """``i -> (outs, i, 0)``: the device-made rest of :func:`step_program`'s carry before batch
+    ``i`` -- zeros for ``steps`` stacked outputs like ``out`` (see :func:`out_shape`) and the
+    positions, fresh buffers that the steps may consume."""
 
+    def start(i: jax.Array) -> tuple[Any, ...]:
+        outs = jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype), out)
+        return outs, i + 0, jnp.int32(0)
 
-def scan_program(fn: StepFn, steps: int) -> Callable[..., tuple[Any, Any]]:
-    """``(state, chunk, offset) -> (state, outs)``: steps ``offset .. offset+steps`` in a loop,
-    the :func:`window_program` of one whole window."""
-
-    def run(state: Any, chunk: Any, offset: jax.Array) -> tuple[Any, Any]:
-        carry = (state, empty_outs(out_shape(fn, state, chunk), steps), offset, jnp.int32(0))
-        return window_program(fn)(carry, chunk, steps)[:2]
-
-    return run
+    return start
 
 
 def with_leading_axis(tree: Any) -> Any:
@@ -93,8 +99,7 @@ def step_program(fn: StepFn) -> Callable[..., Any]:
 
     def step(carry: tuple[Any, Any, jax.Array, jax.Array], chunk: Any) -> tuple[Any, ...]:
         state, outs, i, j = carry
-        batch = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), chunk)
-        state, out = fn(state, batch)
+        state, out = fn(state, batch_at(chunk, i))
         outs = jax.tree.map(lambda buf, o: lax.dynamic_update_index_in_dim(buf, o, j, 0), outs, out)
         return state, outs, i + 1, j + 1
 

@@ -1,8 +1,9 @@
-"""The strategies that run a window of a stacked chunk through one carry: ``"scan"``, ``"loop"``.
+"""The strategies that run a window of a stacked chunk: ``"scan"`` and ``"loop"``.
 
-Both run the carry ``(state, outs, i, j)`` of :func:`~sinkax.execution.programs.step_program`
-(batch ``i`` into row ``j`` of ``outs``), so that :class:`~sinkax.execution.auto.Auto` can run
-one window partly with each. See :mod:`sinkax.execution.choice` for when each is used.
+Both make their output buffers on the device and take the window's first position as a device
+scalar: the position the last window ended at (the usual case: calls run through a chunk in
+order), or else one kept per value (a chunk's first position, once): a call transfers nothing
+but the chunks. See :mod:`sinkax.execution.choice` for when each is used.
 
 >>> import jax.numpy as jnp
 >>> from sinkax.execution.compiler import Compiler
@@ -22,9 +23,15 @@ import numpy as np
 from sinkax import placement
 from sinkax.backend import Backend, backend_of
 from sinkax.execution.compiler import Compiler
-from sinkax.execution.programs import StepFn, out_shape, step_program, window_program
+from sinkax.execution.programs import (
+    StepFn,
+    out_shape,
+    scan_program,
+    start_program,
+    step_program,
+)
 from sinkax.execution.rewrite import canonical_convs
-from sinkax.pytree import layout, stacked_zeros
+from sinkax.pytree import layout
 
 
 class Strategy(Protocol):
@@ -41,61 +48,6 @@ class Strategy(Protocol):
         """``(state, outs)`` after batches ``offset .. offset+steps``; ``state`` is donated."""
 
 
-class Windowed(abc.ABC):
-    """A strategy that runs a window through the carry ``(state, outs, i, j)`` of
-    :func:`~sinkax.executable.step_program` (batch ``i`` into row ``j`` of ``outs``), so that
-    :class:`Auto` can run one window partly with each candidate.
-
-    :meth:`executable` compiles (nothing runs), :meth:`advance` runs ``n`` steps of the carry.
-    """
-
-    name: str
-    atomic = True  # everything is compiled before the first dispatch donates the state
-    feed: ClassVar[str] = "stacked"
-
-    def __init__(self, fn: StepFn, compiler: Compiler):
-        self._fn, self._compiler = fn, compiler
-        self._last: tuple[Any, ...] = (None,) * 5  # state out, chunk, steps, exe, one output
-
-    @abc.abstractmethod
-    def dispatches(self, steps: int) -> int:
-        """Executables dispatched to run a window of ``steps``."""
-
-    @abc.abstractmethod
-    def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
-        """The compiled program for ``carry``'s layout; runs nothing."""
-
-    @abc.abstractmethod
-    def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
-        """``carry`` after the next ``n`` steps, run by ``executable``."""
-
-    def start(
-        self, state: Any, chunk: Any, offset: int, steps: int, out: Any = None
-    ) -> tuple[Any, ...]:
-        """The carry before batch ``offset`` of a window of ``steps``: an empty output buffer
-        for outputs like ``out`` (one step's, abstract; looked up when not given)."""
-        if out is None:
-            key = ("out_shape", layout((state, chunk)))
-            out = self._compiler.memo(key, lambda: out_shape(self._fn, state, chunk))
-        where = placement.replicated(_sharding(chunk))
-        outs = stacked_zeros(out, steps, where)
-        return (state, *jax.device_put((outs, np.int32(offset), np.int32(0)), where))
-
-    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
-        last_state, last_chunk, last_steps, executable, out = self._last
-        if state is last_state and chunk is last_chunk and steps == last_steps:
-            # the usual call passes back the state the last one returned, on the same chunk:
-            # its layout is known, so the lookups (walks over every leaf) are skipped
-            carry = self.start(state, chunk, offset, steps, out)
-        else:
-            carry = self.start(state, chunk, offset, steps)
-            executable = self.executable(carry, chunk, steps)
-            out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), carry[1])
-        carry = self.advance(executable, carry, chunk, steps)
-        self._last = (carry[0], chunk, steps, executable, out)
-        return carry[0], carry[1]
-
-
 def loop_body(fn: StepFn, backend: Backend) -> StepFn:
     """``fn`` as a loop body on ``backend``: where XLA:CPU compiles it, its convolutions in
     XLA:CPU's canonical layout (:func:`~sinkax.execution.rewrite.canonical_convs`), which XLA:CPU
@@ -103,15 +55,76 @@ def loop_body(fn: StepFn, backend: Backend) -> StepFn:
     return canonical_convs(fn) if backend.xla_cpu else fn
 
 
-def _sharding(chunk: Any) -> jax.sharding.Sharding:
+def scan_window(fn: StepFn, backend: Backend, steps: int) -> Any:
+    """The program of a ``"scan"`` window of ``steps`` on ``backend``: ``(state, chunk, i) ->
+    (state, outs)``."""
+    return scan_program(loop_body(fn, backend), steps)
+
+
+def chunk_sharding(chunk: Any) -> jax.sharding.Sharding:
+    """Where ``chunk`` is (the sharding of its first leaf)."""
     return jax.tree.leaves(chunk)[0].sharding
 
 
-class Scan(Windowed):
-    """All steps of a window in one executable (:func:`~sinkax.executable.window_program`).
+class Windowed(abc.ABC):
+    """A strategy over windows of device-resident chunks: :meth:`executables` compiles what a
+    window needs (nothing runs, nothing is donated), :meth:`launch` runs it."""
 
-    On a CPU device the step's convolutions are put in XLA:CPU's canonical layout first (see
-    :mod:`sinkax.rewrite`): inside a loop body XLA:CPU does not do that itself.
+    name: str
+    atomic = True  # everything is compiled before the first dispatch donates the state
+    feed: ClassVar[str] = "stacked"
+
+    def __init__(self, fn: StepFn, compiler: Compiler):
+        self._fn, self._compiler = fn, compiler
+        self._positions: dict[Any, jax.Array] = {}  # first positions, by value and devices
+        self._end: tuple[int, Any] = (-1, None)  # where the last window ended, and on the device
+        self._last: tuple[Any, Any, Any] = (None, None, None)  # state out, window, executables
+
+    @abc.abstractmethod
+    def dispatches(self, steps: int) -> int:
+        """Executables dispatched to run a window of ``steps``."""
+
+    @abc.abstractmethod
+    def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
+        """What runs a window of ``steps`` for these layouts, compiled; runs nothing."""
+
+    @abc.abstractmethod
+    def launch(
+        self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
+    ) -> tuple[Any, Any, jax.Array]:
+        """``(state, outs, end)`` after the window from ``start``, run by ``executables``;
+        ``end`` is the position after it, on the device."""
+
+    def position(self, offset: int, chunk: Any) -> jax.Array:
+        """``offset`` as an int32 on ``chunk``'s devices: where the last window ended, or else
+        transferred once per value."""
+        end_offset, end = self._end
+        if offset == end_offset:
+            return end
+        where = placement.replicated(chunk_sharding(chunk))
+        key = (offset, where)
+        if key not in self._positions:
+            self._positions[key] = jax.device_put(np.int32(offset), where)
+        return self._positions[key]
+
+    def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
+        start = self.position(offset, chunk)
+        window = (steps, layout(chunk))  # a chunk has few leaves: cheap, unlike the state
+        last_state, last_window, executables = self._last
+        if state is not last_state or window != last_window:
+            executables = self.executables(state, chunk, start, steps)
+        state, outs, end = self.launch(executables, state, chunk, start, steps)
+        self._last = (state, window, executables)  # the usual next call passes `state` back
+        self._end = (offset + steps, end)
+        return state, outs
+
+
+class Scan(Windowed):
+    """All steps of a window in one executable (:func:`~sinkax.execution.programs.scan_program`).
+
+    Where XLA:CPU compiles it, the step's convolutions are put in XLA:CPU's canonical layout
+    first (see :mod:`sinkax.execution.rewrite`): inside a loop body XLA:CPU does not do that
+    itself.
     """
 
     name = "scan"
@@ -119,36 +132,59 @@ class Scan(Windowed):
     def dispatches(self, steps: int) -> int:
         return 1
 
-    def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
-        def program():
-            return window_program(loop_body(self._fn, backend_of(_sharding(chunk))))
+    def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
+        def program() -> Any:
+            return scan_window(self._fn, backend_of(chunk_sharding(chunk)), steps)
 
-        return self._compiler.get("scan", steps, program, carry, chunk, np.int32(steps))
+        return self._compiler.get("scan", steps, program, state, chunk, start)
 
-    def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
-        return executable(carry, chunk, np.int32(n))
+    def launch(
+        self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
+    ) -> tuple[Any, Any, jax.Array]:
+        return executables(state, chunk, start)
 
 
 class Loop(Windowed):
-    """The compiled step dispatched once per batch of the device-resident chunk."""
+    """The compiled step dispatched once per batch of the device-resident chunk, after one
+    small executable that makes the output buffer and positions on the device."""
 
     name = "loop"
+    _started: Any = None  # the start of the window whose executables were just looked up
 
     def dispatches(self, steps: int) -> int:
-        return steps
+        return steps + 1
 
-    def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
-        return self._compiler.get("step", steps, lambda: step_program(self._fn), carry, chunk)
+    def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
+        out = self._compiler.memo(
+            ("out_shape", layout((state, chunk))), lambda: out_shape(self._fn, state, chunk)
+        )
+        begin = self._compiler.get(  # its arguments do not show the outputs' layout
+            ("loop start", layout(out)),
+            steps,
+            lambda: start_program(out, steps),
+            start,
+            donate=False,
+        )
+        self._started = begin(start)  # donates nothing; the concrete carry gives the step's
+        carry = (state, *self._started)  # layout, and starts this window
+        step = self._compiler.get("step", steps, lambda: step_program(self._fn), carry, chunk)
+        return begin, step
 
-    def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
-        sharding = _sharding(chunk)
+    def launch(
+        self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
+    ) -> tuple[Any, Any, jax.Array]:
+        begin, step = executables
+        sharding = chunk_sharding(chunk)
         devices = sharding.device_set
         bounded = len(devices) > 1 and backend_of(sharding).xla_cpu
-        for i in range(n):
-            carry = executable(carry, chunk)
+        started, self._started = self._started or begin(start), None
+        carry = (state, *started)
+        for i in range(steps):
+            carry = step(carry, chunk)
             if i == 0 and len(devices) > 1:  # over several devices the step may return the
-                steps = len(jax.tree.leaves(carry[1])[0]) if jax.tree.leaves(carry[1]) else 0
-                executable = self.executable(carry, chunk, steps)  # carry sharded otherwise
+                step = self._compiler.get(  # carry sharded otherwise
+                    "step", steps, lambda: step_program(self._fn), carry, chunk
+                )
             if bounded:  # XLA:CPU's devices deadlock in a collective with many steps in flight
                 jax.block_until_ready(carry)
-        return carry
+        return carry[0], carry[1], carry[2]
