@@ -52,13 +52,34 @@ def flax_lenet5() -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
     )
 
 
-def workload(name: str, num_batches: int, batch_size: int = 32, seed: int = 0) -> Workload:
+def workload(
+    name: str, num_batches: int, batch_size: int = 32, seed: int = 0, lm_shape: Any = None
+) -> Workload:
     """``"lenet"`` (the reference LeNet5, ``lax.conv``), ``"flax"`` (LeNet5 in flax ``nn.Conv``)
-    or ``"mlp"`` (1024-128-10), SGD-momentum, built with :func:`sinkax.train.make_train_step`
-    (what ``Model.train`` runs)."""
+    or ``"mlp"`` (1024-128-10), SGD-momentum; or ``"transformer"``, a small language model
+    (:mod:`_transformer`, of ``lm_shape``, whose batch size it has), AdamW. Each step built with
+    :func:`sinkax.train.make_train_step` (what ``Model.train`` runs)."""
     from sinkax import nets
     from sinkax.train import TrainState, cross_entropy, make_train_step
 
+    if name == "transformer":
+        import _transformer as lm
+
+        shape = lm_shape or lm.LMShape()
+        adamw = optax.adamw(3e-4)
+        step = make_train_step(
+            lambda params, tokens: lm.apply(params, tokens, shape.heads),
+            cross_entropy,
+            adamw,
+            input_key="tokens",
+            label_key="targets",
+        )
+        return Workload(
+            name,
+            step,
+            lambda: TrainState.create(lm.init(jax.random.key(seed), shape), adamw),
+            lm.batches(shape, num_batches, seed),
+        )
     rng = np.random.default_rng(seed)
     shape, init_fn, apply_fn = {
         "lenet": lambda: ((32, 32, 1), nets.lenet5_init, nets.lenet5_apply),

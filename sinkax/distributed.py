@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
+from sinkax import compat
 from sinkax.errors import SinkTimeoutError
 
 T = TypeVar("T")
@@ -104,19 +105,13 @@ def local_rows(batch: Any) -> Any:
     return jax.tree.map(block, batch)
 
 
-def _client() -> Any:
-    from jax._src import distributed  # the coordination client jax.distributed started
-
-    return distributed.global_state.client
-
-
 def shared_position(data_state: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
     """What a checkpoint stores as the data position: ``data_state`` itself in one process;
     across processes every process's, ``{"processes": [...]}`` in process order (every process
     calls, in the same order). :func:`own_position` takes this process's back."""
     if jax.process_count() == 1:
         return data_state
-    client, me = _client(), jax.process_index()
+    client, me = compat.coordination_client(), jax.process_index()
     key = f"sinkax/position{next(_position_numbers)}"
     client.key_value_set(f"{key}/{me}", json.dumps(data_state))
     positions = [
@@ -173,7 +168,7 @@ class Peers:
         return Peers(f"sinkax/sink{next(_sink_numbers)}", timeout, config)
 
     def __init__(self, name: str, timeout: float, config: dict[str, Any]):
-        self._client = _client()
+        self._client = compat.coordination_client()
         self._name = name
         self._me = jax.process_index()
         self._others = [p for p in range(jax.process_count()) if p != self._me]

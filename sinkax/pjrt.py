@@ -23,9 +23,7 @@ import dataclasses
 import importlib.util
 import logging
 
-from jax._src import xla_bridge
-from jax._src.interpreters import mlir
-
+from sinkax import compat
 from sinkax.presets import Preset, preset
 
 EMULATED_PLATFORM = "emu"
@@ -92,7 +90,7 @@ def use_plugin(
             )
         set_costs(costs)
         return platform
-    if xla_bridge.backends_are_initialized():
+    if compat.backends_are_initialized():
         raise RuntimeError(
             "jax has already initialized its backends, so a plugin can no longer be added. Call "
             "sinkax.pjrt.use_emulated()/use_plugin() before the first jax.devices(), "
@@ -106,14 +104,15 @@ def use_plugin(
         raise RuntimeError("sinkax's PJRT plugin was loaded outside sinkax.pjrt; reconfigure it.")
     _loaded.append(_Loaded(library, platform, inner_path))
     set_costs(costs)
-    logging.getLogger("jax._src.xla_bridge").addFilter(
+    logging.getLogger(compat.PLUGIN_LOGGER).addFilter(
         lambda record: f"'{platform}' is experimental" not in record.getMessage()
     )
     # jax donates buffers only on platforms it knows; XLA's PJRT plugins implement donation.
-    if platform not in mlir._platforms_with_donation:
-        mlir._platforms_with_donation.append(platform)
+    compat.allow_donation(platform)
     try:
-        xla_bridge.register_plugin(platform, priority=-100, library_path=path)
+        compat.register_plugin(platform, library_path=path, priority=-100)
+    except compat.JaxVersionError:
+        raise
     except Exception as error:
         reason = library.sinkax_pjrt_load_error().decode()
         raise RuntimeError(f"Could not load the PJRT plugin {inner_path}: {reason}") from error

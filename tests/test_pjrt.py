@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import init_state, reference_run, regression_batches, train_step
+from conftest import init_state, needs_plugin, reference_run, regression_batches, train_step
 
 import sinkax
 from sinkax import pjrt
@@ -25,6 +25,7 @@ from sinkax.presets import Preset
 from sinkax.train import DatasetHelper, connect_network_with_dataset
 
 BATCH_LEAVES = 2  # {"x", "y"}
+pytestmark = needs_plugin
 
 
 @pytest.fixture

@@ -908,7 +908,9 @@ def test_a_step_function_runs_on_several_devices(tmp_path):
         "        assert state.devices() == {device} and float(state) == 3.0\n"
         "print(len(jax.devices()), 'devices')\n"
     )
+    # two CPU devices, also on a machine whose default backend is a single GPU
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env["JAX_PLATFORMS"] = "cpu"
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
     )

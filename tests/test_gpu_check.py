@@ -1,0 +1,33 @@
+"""`make gpu-check` without a GPU: its dry run (CPU, tiny sizes) runs every part and writes every
+file, so the command stays ready for the next GPU machine."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", tmp_path],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.splitlines()[0] in result.stdout.splitlines()  # the summary is printed last
+    assert "DRY RUN" in summary.splitlines()[0]
+    parts = {line.split()[0]: line.split()[1] for line in summary.splitlines()[1:]}
+    benchmarks = {f"bench-{w}" for w in ("mlp", "lenet", "transformer")}
+    assert set(parts) - {"wheels"} == {"imports", "env", "tests", "plugin", *benchmarks}
+    assert set(parts.values()) == {"PASS"}, summary
+    results = json.loads((tmp_path / "gpu_sink_sizes.json").read_text())
+    assert results["dry_run"] and set(results["workloads"]) == {"mlp", "lenet", "transformer"}
+    modes = [row["mode"] for row in results["workloads"]["transformer"]["rows"]]
+    assert modes[:3] == ["plain", "prefetch 1 ahead", "device scan"] and "sinkax 1" in modes
+    assert (tmp_path / "gpu_sink_sizes.png").stat().st_size > 0
+    assert "3 skipped" in (tmp_path / "tests.log").read_text()  # tests/test_gpu.py, no GPU
+    assert len(list(tmp_path.iterdir())) <= 8  # what comes back from a device machine
