@@ -138,7 +138,10 @@ def compiles_with_xla_cpu(platform: str) -> bool:
         return False
     import sinkax_pjrt
 
-    return _loaded[0].inner_path == sinkax_pjrt.cpu_plugin_path()
+    try:
+        return _loaded[0].inner_path == sinkax_pjrt.cpu_plugin_path()
+    except ImportError:  # no XLA:CPU plugin installed: the plugin forwards to another
+        return False
 
 
 def loaded_platform() -> str | None:

@@ -432,15 +432,15 @@ def test_resume_continues_with_exactly_the_next_batch(tmp_path):
 
 
 def test_resume_continues_with_the_strategy_auto_chose(tmp_path, monkeypatch):
-    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # decided within the first epoch
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a window a trial: 3 at most
     checkpoint = ModelCheckpoint(tmp_path, keep_last=1)
-    first = new_model(sink_options={}).train(2, blobs(4), callbacks=checkpoint, sink_size=3)
+    first = new_model(sink_options={}).train(3, blobs(4), callbacks=checkpoint, sink_size=3)
     chosen = first.sink_stats.strategy
     meta = new_model().restore(tmp_path)
     assert meta["data_state"]["strategy"] == chosen
     other = {"scan": "loop", "loop": "scan"}[chosen]
     monkeypatch.setenv("SINKAX_STRATEGY", other)  # the recorded choice wins over this
-    resumed = new_model(sink_options={}).train(4, blobs(4), sink_size=3, resume_from=tmp_path)
+    resumed = new_model(sink_options={}).train(5, blobs(4), sink_size=3, resume_from=tmp_path)
     assert resumed.sink_stats.strategy == chosen and resumed.sink_stats.strategy_timings == {}
 
 

@@ -18,7 +18,10 @@ def library_path() -> str:
 
 def cpu_plugin_path() -> str:
     """The path of the XLA:CPU PJRT plugin (package ``xla-cpu-pjrt``) the emulator forwards to."""
-    spec = importlib.util.find_spec("xla_plugins.xla_cpu_pjrt")
+    try:
+        spec = importlib.util.find_spec("xla_plugins.xla_cpu_pjrt")
+    except ModuleNotFoundError:  # no xla_plugins package at all
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("sinkax-pjrt needs the xla-cpu-pjrt package: pip install xla-cpu-pjrt")
     return os.path.join(spec.submodule_search_locations[0], "xla_cpu_pjrt.so")

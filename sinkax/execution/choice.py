@@ -78,11 +78,13 @@ def resolve(
     Without jit, ``"eager"``. ``"auto"`` for one-step calls measures nothing: XLA inlines a loop of
     one trip, so ``"scan"`` *is* the standalone step, and where host memory is device memory
     (CPU) ``"step"`` runs it without the ring's copy. ``"step"`` needs one-step calls on one
-    device (it hands over host batches, unplaced). Over several devices ``"auto"`` is
-    ``"scan"``: across processes each would time its own trials and might choose differently,
-    while every process must run the same programs; and ``"loop"`` over several XLA:CPU devices
-    waits for each step (with many steps in flight their collectives deadlocked here), which
-    ``"scan"`` never needs.
+    device (it hands over host batches, unplaced). Where XLA:CPU does not compile the programs
+    (GPU, Ascend) ``"auto"`` is ``"scan"``: ``"loop"`` exists for what XLA:CPU compiles better
+    outside a loop body, and elsewhere a loop of known trip count is never slower than a host
+    loop of launches. Over several devices ``"auto"`` is ``"scan"`` too: across processes each
+    would time its own trials and might choose differently, while every process must run the
+    same programs; and ``"loop"`` over several XLA:CPU devices waits for each step (with many
+    steps in flight their collectives deadlocked here), which ``"scan"`` never needs.
 
     >>> from sinkax.backend import Backend
     >>> cpu = Backend("cpu", True, True, True, True, 1, xla_cpu=True)
@@ -90,6 +92,8 @@ def resolve(
     'step'
     >>> gpu = Backend("gpu", *[False] * 4, 1, xla_cpu=False)
     >>> resolve("auto", jit=True, steps_per_call=1, backend=gpu)
+    'scan'
+    >>> resolve("auto", jit=True, steps_per_call=100, backend=gpu)
     'scan'
     """
     if name not in NAMES:
@@ -108,7 +112,7 @@ def resolve(
         return "eager"
     if name == "auto" and steps_per_call == 1:
         return "step" if backend.host_is_device and devices == 1 else "scan"
-    if name == "auto" and (processes > 1 or devices > 1):
+    if name == "auto" and (processes > 1 or devices > 1 or not backend.xla_cpu):
         return "scan"
     return name
 
