@@ -252,6 +252,27 @@ def test_max_chunk_bytes_that_is_no_byte_count_is_refused(bad):
         sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, max_chunk_bytes=bad)
 
 
+def test_a_prefetch_the_ring_cannot_set_up_is_refused_naming_the_limit():
+    from sinkax.config import MAX_PREFETCH, SinkConfig
+
+    assert SinkConfig.of(2, prefetch=MAX_PREFETCH).prefetch == MAX_PREFETCH
+    with pytest.raises(ValueError, match=f"prefetch must be an int from 1 to {MAX_PREFETCH}"):
+        SinkConfig.of(2, prefetch=10**9)  # data_sink would set up 10**9 + 1 device slots
+
+
+@pytest.mark.parametrize("bad", [True, False, "5", 0, -1.0])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(bad):
+    with pytest.raises(ValueError, match="timeout must be seconds"):
+        sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, timeout=bad)
+
+
+def test_a_bad_first_batch_is_reported_at_its_own_position():
+    batches = [{"index": np.array([2**40, 1])}] + [{"index": np.array([0, 1])}] * 3
+    sink = sinkax.data_sink(collect_index, batches, 2)
+    with sink, pytest.raises(sinkax.BatchSpecError, match="Batch at epoch 0, step 0, leaf"):
+        sink(jnp.int32(0))
+
+
 def test_a_device_may_be_a_platform_name_and_anything_else_is_refused():
     data = indexed_map_dataset(8, 2, seed=None)
     with sinkax.data_sink(collect_index, data, 2, device="cpu") as sink:
