@@ -289,6 +289,30 @@ def test_an_equinox_mlp_trains_as_with_filter_jit(sink_options):
     np.testing.assert_allclose(state[0].layers[0].weight, expected_model.layers[0].weight, 1e-5)
 
 
+def test_an_equinox_module_s_python_number_fields_stay_static_as_under_filter_jit():
+    # MaxPool2d's init=-inf is a plain float field: traced, reduce_window's jvp refuses it
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(1, 2, 3, key=keys[0]),
+            eqx.nn.MaxPool2d(2, 2),
+            eqx.nn.Lambda(jnp.ravel),
+            eqx.nn.Linear(8, 1, key=keys[1]),
+        ]
+    )
+    rng = np.random.default_rng(2)
+    data = [(x, np.tanh(x.sum((1, 2, 3))[:, None])) for x in rng.normal(size=(4, 8, 1, 6, 6))]
+    data = [(x.astype(np.float32), y.astype(np.float32)) for x, y in data]
+    expected_model, expected = eqx_reference(model, data, 4)
+    state = (model, EQX_OPTIMIZER.init(eqx.filter(model, eqx.is_array)))
+    with sinkax.data_sink(eqx_train_step, data, 2) as sink:
+        state, first = sink(state)
+        state, second = sink(state)
+    np.testing.assert_allclose(np.concatenate([first, second]), expected, rtol=1e-5)
+    assert state[0].layers[1].init == -np.inf  # still the Python float it was
+    np.testing.assert_allclose(state[0].layers[3].bias, expected_model.layers[3].bias, rtol=1e-5)
+
+
 def test_a_filtered_equinox_model_trains_as_with_filter_jit():
     data = eqx_regression()
     model = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
