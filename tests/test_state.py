@@ -161,6 +161,29 @@ def test_a_stateless_step_called_with_a_state_says_to_call_without():
         np.testing.assert_allclose(sink(), [0.0, 3.0])
 
 
+def test_a_step_with_more_parameters_is_told_to_bind_them_not_to_drop_the_state():
+    def train(state, batch, lr):
+        return state - lr * batch.sum(), None
+
+    with sinkax.data_sink(train, ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"train\(state, batch, lr\) needs 3 arguments") as e:
+            sink(jnp.float32(0))
+        assert "takes no state" not in str(e.value)
+        assert "functools.partial(train, lr=...)" in str(e.value)
+    sink = sinkax.data_sink(lambda batch, scale, shift: batch * scale, ones(), 2)
+    with sink, pytest.raises(TypeError, match=r"needs 3 arguments.*sink\(\) passes one"):
+        sink()
+
+
+def test_a_step_that_takes_batch_before_state_is_told_the_order():
+    def train(batch, state):
+        return state + batch.sum(), None
+
+    sink = sinkax.data_sink(train, ones(), 2)
+    with sink, pytest.raises(TypeError, match=r"train\(batch, state\) takes the batch first"):
+        sink(jnp.float32(0))
+
+
 # -- donation -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["scan", "step"])
 def test_passing_a_donated_state_again_is_refused_with_the_fix(strategy):
