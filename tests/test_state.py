@@ -12,6 +12,7 @@ from flax.training import train_state
 
 import sinkax
 from sinkax.errors import BatchSpecError
+from sinkax.train import DatasetHelper, connect_network_with_dataset
 
 # every way a sink runs its steps; "auto" is set (in `sink_options`) to try both of its
 # candidates, scan and loop, within the first calls
@@ -235,6 +236,22 @@ def test_eval_with_carried_params_compiles_once_and_sees_each_params():
         np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
         np.testing.assert_array_equal(kept, params)
     assert compiles == [1, 0, 0]
+
+
+def test_a_warning_points_at_the_users_line_not_at_sinkax():
+    weights = jnp.eye(3)
+
+    def step(state, batch):
+        return state, batch @ weights  # captures an array: sinkax warns
+
+    for make in (
+        lambda: sinkax.data_sink(step, ones(), 2),
+        lambda: sinkax.Sink(step, ones(), 2),
+        lambda: connect_network_with_dataset(step, DatasetHelper(ones(), sink_size=2)),
+    ):
+        with pytest.warns(UserWarning, match="captures arrays") as record:
+            make().close()
+        assert [w.filename for w in record] == [__file__], [w.filename for w in record]
 
 
 def test_a_step_closing_over_replaced_params_is_refused_not_run_stale():
