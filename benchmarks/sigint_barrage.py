@@ -1,16 +1,19 @@
 """A SIGINT barrage: random Ctrl-Cs into training loops; counts what they broke.
 
-A sender thread delivers SIGINT to the main thread every 0-``--gap-ms`` ms while the main thread
-trains with a sink (or in non-sink mode) over an indexed dataset, catches each
-``KeyboardInterrupt`` and carries on with the state it holds. The step counts its steps and
-returns the numbers of the batches it ran on, so after every call the script checks:
+A sender thread delivers SIGINT to the main thread every 0-``--gap-ms`` ms (with ``--pairs``,
+two SIGINTs 0-``--pair-gap-ms`` ms apart each time: a second Ctrl-C while a call unwinds from
+the first) while the main thread trains with a sink (or in non-sink mode) over an indexed
+dataset, catches each ``KeyboardInterrupt`` and carries on with the state it holds. The step
+counts its steps and returns the numbers of the batches it ran on, so after every call the
+script checks:
 
 * ``lost``      -- the state the loop holds was donated to a call whose result never came back;
 * ``skipped`` / ``repeated`` -- the batches delivered are not exactly the next ones;
 * ``off_step``  -- the state's step count differs from the batches delivered, or
   ``data_state()`` from the next batch the loop expects;
-* ``wedged``    -- a call timed out (``timeout=10`` s: the data is in memory), or a device slot
-  was missing when the session ended;
+* ``wedged``    -- a call timed out (``timeout=10`` s: the data is in memory), a call was refused
+  as "already running" in this single-threaded loop, or a device slot was missing when the
+  session ended;
 * ``errors``    -- any other exception.
 
 Sessions rotate over the strategies and chunk layouts (one dispatch, one step, a call split
@@ -23,6 +26,7 @@ before its result is stored, which no library can cover (see :mod:`sinkax.interr
 not raised; the script's handler counts it as ``outside``.
 
     python benchmarks/sigint_barrage.py --seconds 120     # >= 10,000 interrupts on 2 cores
+    python benchmarks/sigint_barrage.py --seconds 120 --pairs --pair-gap-ms 3
 """
 
 from __future__ import annotations
@@ -68,8 +72,8 @@ def count_step(state, batch):
 class Barrage:
     """The SIGINT sender and the handler that raises only inside the library's calls."""
 
-    def __init__(self, gap_s: float, seed: int):
-        self.gap_s, self.random = gap_s, random.Random(seed)
+    def __init__(self, gap_s: float, seed: int, pair_gap_s: float | None = None):
+        self.gap_s, self.pair_gap_s, self.random = gap_s, pair_gap_s, random.Random(seed)
         self.armed = False  # the main thread is inside a library call
         self.raised = self.outside = 0
         self._stop = threading.Event()
@@ -98,6 +102,9 @@ class Barrage:
     def _send(self):
         while not self._stop.wait(self.random.uniform(0, self.gap_s)):
             signal.pthread_kill(self._main, signal.SIGINT)
+            if self.pair_gap_s is not None:  # the second of a pair
+                time.sleep(self.random.uniform(0, self.pair_gap_s))
+                signal.pthread_kill(self._main, signal.SIGINT)
 
 
 def lost(state) -> bool:
@@ -154,8 +161,10 @@ def sink_session(name: str, seconds: float, barrage: Barrage, counts) -> None:
                     if name == "restore under fire" and sink.data_state()["step"] == back:
                         expected, state = back, jnp.int32(back)  # the restore got through
                     continue
-                except sinkax.SinkTimeoutError:
+                except (sinkax.SinkTimeoutError, RuntimeError) as error:
                     barrage.armed = False
+                    if isinstance(error, RuntimeError) and "already running" not in str(error):
+                        raise
                     counts["wedged"] += 1
                     return
                 numbers = np.asarray(outs).tolist()
@@ -207,8 +216,11 @@ def main(argv=None):
     parser.add_argument("--session", type=float, default=2.0, help="seconds per session")
     parser.add_argument("--gap-ms", type=float, default=4.0, help="max gap between SIGINTs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pairs", action="store_true", help="send SIGINTs in pairs")
+    parser.add_argument("--pair-gap-ms", type=float, default=3.0, help="max gap within a pair")
     args = parser.parse_args(argv)
-    barrage = Barrage(args.gap_ms / 1e3, args.seed)
+    pair_gap_s = args.pair_gap_ms / 1e3 if args.pairs else None
+    barrage = Barrage(args.gap_ms / 1e3, args.seed, pair_gap_s)
     per_config = {name: collections.Counter({c: 0 for c in COUNTS}) for name in CONFIGS}
     errors: list[str] = []
     t0, names = time.monotonic(), list(CONFIGS)
@@ -238,11 +250,12 @@ def main(argv=None):
         for y, (r, b) in enumerate(zip(rows, bad, strict=True)):
             ax.text(r["interrupts"], y, f" {b} broken", va="center")
         ax.set_xlabel("KeyboardInterrupts raised inside sinkax calls")
-        ax.set_title(f"SIGINT barrage: {total['interrupts']} interrupts, failures annotated")
+        kind = "SIGINT pairs" if args.pairs else "SIGINT barrage"
+        ax.set_title(f"{kind}: {total['interrupts']} interrupts, failures annotated")
         return figure
 
     save(
-        "sigint_barrage",
+        "sigint_barrage_pairs" if args.pairs else "sigint_barrage",
         {"args": vars(args), "rows": rows, "total": dict(total), "errors": errors},
         draw,
     )

@@ -26,7 +26,11 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "register_plugin": ("jax._src.xla_bridge", "register_plugin"),
     "platforms_with_donation": ("jax._src.interpreters.mlir", "_platforms_with_donation"),
     "distributed_state": ("jax._src.distributed", "global_state"),
+    "backend_factories": ("jax._src.xla_bridge", "_backend_factories"),
+    "platform_aliases": ("jax._src.xla_bridge", "_platform_aliases"),
 }
+# jax's own platform names, as far as a jax without those lists is concerned
+KNOWN_PLATFORMS = frozenset({"cpu", "cuda", "rocm", "gpu", "tpu", "METAL", "iree"})
 PLUGIN_LOGGER = "jax._src.xla_bridge"  # the logger that announces an experimental plugin
 
 _log = logging.getLogger(__name__)
@@ -90,6 +94,15 @@ def allow_donation(platform: str) -> None:
         _log.warning("jax %s: buffers are not donated on %r.", jax.__version__, platform)
     elif platform not in platforms:
         platforms.append(platform)
+
+
+def jax_platform_names() -> frozenset[str]:
+    """The platform names jax gives its own backends and their aliases (``cpu``, ``cuda``,
+    ``gpu``, ``tpu``, ...); where this jax lacks its lists, a fixed set of them."""
+    factories, aliases = _private("backend_factories"), _private("platform_aliases")
+    if factories is None or aliases is None:
+        return KNOWN_PLATFORMS
+    return frozenset({*factories, *aliases, *aliases.values()})
 
 
 def coordination_client() -> Any:

@@ -27,6 +27,9 @@ from sinkax import placement
 from sinkax.backend import TARGETS, resolve_device
 
 MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
+# The ring sets up prefetch + 1 device slots when it starts, each up to max_chunk_bytes on the
+# device; a few chunks ahead keep the device fed, more only hold memory.
+MAX_PREFETCH = 64
 
 
 def check_sink_size(sink_size: Any) -> int:
@@ -46,9 +49,21 @@ def check_sink_size(sink_size: Any) -> int:
 
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
     check_sink_size(sink_size)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 1:
-        raise ValueError(f"prefetch must be an int >= 1 (chunks ready ahead), got {prefetch!r}.")
-    if not isinstance(timeout, numbers.Real) or not 0 < timeout <= threading.TIMEOUT_MAX:
+    if (
+        isinstance(prefetch, bool)
+        or not isinstance(prefetch, numbers.Integral)
+        or not 1 <= prefetch <= MAX_PREFETCH
+    ):
+        raise ValueError(
+            f"prefetch must be an int from 1 to {MAX_PREFETCH} (chunks ready ahead: a sink sets "
+            "up prefetch + 1 device slots when it starts, each holding up to max_chunk_bytes "
+            f"there, and a few keep the device fed), got {prefetch!r}."
+        )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not 0 < timeout <= threading.TIMEOUT_MAX
+    ):
         raise ValueError(
             f"timeout must be seconds > 0 (at most {threading.TIMEOUT_MAX:.3g}), got {timeout!r}."
         )

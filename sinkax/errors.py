@@ -1,4 +1,21 @@
-"""Errors a sink raises, each naming the problem and the usual fix."""
+"""Errors a sink raises, each naming the problem and the usual fix; and :func:`warn`, which
+points a warning at the user's line."""
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the innermost frame outside sinkax -- the user's line
+    that led here, however many sinkax frames are in between (``data_sink``, ``Sink``,
+    ``Model.train``, a callback)."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: warn's caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class SinkError(RuntimeError):

@@ -150,7 +150,9 @@ class Handoff:
 
     :meth:`donating` before the dispatch that donates the caller's state; :meth:`dispatched`
     once every step has run, then whatever takes time (freeing the last state) and
-    :func:`checkpoint`; :meth:`failed` in the error path. The call closes the guard as its last
+    :func:`checkpoint`; in the error path, the store ``state = DISPATCHED`` first (a call made
+    with :meth:`opened` is guarded from its start, so a second Ctrl-C is held from there), the
+    cleanup, then :meth:`failed`. The call closes the guard as its last
     step with the plain store ``handoff.state = None``: a call there would be a point where a
     Ctrl-C is raised after the guard closed and before the results reach the caller. A Ctrl-C
     that arrives meanwhile stops the call while the state is alive, and is held for
@@ -163,6 +165,15 @@ class Handoff:
     def __init__(self) -> None:
         self.state: Any = None  # what the call may donate, DISPATCHED once it has; or None
 
+    @classmethod
+    def opened(cls) -> Handoff:
+        """A handoff already guarded (passing every Ctrl-C on while its ``state`` is ``None``),
+        so that the call's error path can hold a second Ctrl-C with a plain store
+        ``handoff.state = DISPATCHED``, leaving no point where one could skip its cleanup."""
+        handoff = cls()
+        guard(handoff)
+        return handoff
+
     def donating(self, state: Any) -> None:
         """The next dispatch donates ``state``: hold a Ctrl-C from then on."""
         self.state = state
@@ -174,5 +185,7 @@ class Handoff:
         guard(self)
 
     def failed(self) -> None:
-        """Close the guard on the error path."""
+        """Close the guard on the error path, once the failed call has cleaned up; a Ctrl-C held
+        meanwhile is passed on here (it stops the unwinding call, not a later one)."""
         self.state = None
+        deliver_held()

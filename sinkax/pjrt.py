@@ -22,12 +22,32 @@ import ctypes
 import dataclasses
 import importlib.util
 import logging
+import os
 
 from sinkax import compat
-from sinkax.presets import Preset, preset
+from sinkax.presets import PRESETS, Preset, preset
 
 EMULATED_PLATFORM = "emu"
+ENV = "SINKAX_PJRT"  # a preset: the emulated device is registered when jax starts
 _COUNTERS = 6
+
+
+def env_preset() -> str | None:
+    """The preset :data:`ENV` names, ``None`` if it is unset or empty; for any other value a
+    ``ValueError`` listing the presets."""
+    name = os.environ.get(ENV, "")
+    if name and name not in PRESETS:
+        raise ValueError(
+            f"{ENV}={name!r} names no emulated-device preset; known: "
+            f"{', '.join(sorted(PRESETS))}. Set it to one of them, or unset it to run without "
+            "the emulated device."
+        )
+    return name or None
+
+
+# At import, so that a misspelt value stops the program here: jax's plugin discovery, which
+# reads it when the backends start, only logs the error and carries on without the device.
+env_preset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +100,10 @@ def use_plugin(
 
     ``discrete``: present buffers as device memory (``Buffer_IsOnCpu`` false, host arrays always
     copied). Call before jax initializes its backends; calling again with the same arguments
-    only updates the costs. Returns the platform name (for ``jax.devices(platform)``).
+    only updates the costs. Returns the platform name (for ``jax.devices(platform)``); one of
+    jax's own (``"cpu"``, ``"cuda"``, ...) is refused.
     """
+    _check_platform_name(platform)
     if _loaded:
         if (_loaded[0].inner_path, _loaded[0].platform) != (inner_path, platform):
             raise RuntimeError(
@@ -119,8 +141,20 @@ def use_plugin(
     return platform
 
 
-def use_emulated(costs: str | Preset = "pcie4-x16") -> str:
-    """Register the emulated discrete accelerator (platform ``"emu"``) with ``costs``'s preset.
+def _check_platform_name(platform: str) -> None:
+    """``ValueError`` if ``platform`` is a name jax gives its own backends: the plugin would
+    stand in for that backend or be shadowed by it."""
+    own = compat.jax_platform_names()
+    if platform in own - {loaded_platform()}:
+        raise ValueError(
+            f"platform {platform!r} is one of jax's own platform names ({', '.join(sorted(own))})"
+            f"; register the plugin under a name of its own, e.g. 'counted_{platform}'."
+        )
+
+
+def use_emulated(costs: str | Preset | None = None) -> str:
+    """Register the emulated discrete accelerator (platform ``"emu"``) with ``costs``'s preset
+    (by default the one :data:`ENV` names, else ``"pcie4-x16"``).
 
     Returns ``"emu"``; its devices are then ``jax.devices("emu")``. Figures measured on it are
     emulated: compute runs at this CPU's speed.
@@ -128,6 +162,7 @@ def use_emulated(costs: str | Preset = "pcie4-x16") -> str:
     import sinkax_pjrt
 
     _plugin_library_path()
+    costs = (env_preset() or "pcie4-x16") if costs is None else costs
     return use_plugin(sinkax_pjrt.cpu_plugin_path(), EMULATED_PLATFORM, costs=costs)
 
 

@@ -13,6 +13,7 @@ buffers of extended dtypes on the device, so that the rest of sinkax needs no sp
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import jax
@@ -79,7 +80,8 @@ def is_array(leaf: Any) -> bool:
     number (weakly typed).
 
     A Python ``bool`` is a flag (``eqx.nn.Dropout.inference``, for instance), not data: it
-    stays a Python value, with functions and every other object (see :func:`partition`).
+    stays a Python value, with functions and every other object (see :func:`partition`), and
+    so does a Python number that is a field of an equinox module (see :func:`module_numbers`).
     """
     data = jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic | int | float | complex
     return isinstance(leaf, data) and not isinstance(leaf, bool)
@@ -125,17 +127,46 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
+def module_numbers(state: Any, leaves: list[Any]) -> set[int]:
+    """The positions among ``leaves`` (those of ``state``) of the Python numbers that are fields
+    of an equinox module, such as ``eqx.nn.MaxPool2d``'s ``init=-inf``: ``eqx.filter_jit``
+    holds them static, and equinox layers rely on it (``reduce_window``'s derivative refuses a
+    traced ``init``). Elsewhere -- a ``sink(0)`` counter, a flax ``TrainState``'s ``step=0`` --
+    a Python number is data that the step changes.
+
+    >>> import equinox as eqx
+    >>> state = (eqx.nn.MaxPool2d(2), 0.5)
+    >>> leaves = jax.tree.leaves(state)
+    >>> [leaves[i] for i in sorted(module_numbers(state, leaves))]
+    [-inf]
+    """
+    numbers = {i for i, leaf in enumerate(leaves) if type(leaf) in (int, float, complex)}
+    eqx = sys.modules.get("equinox")
+    if not numbers or eqx is None:  # (only a program that imported equinox holds its modules)
+        return set()
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    inside, start = set(), 0
+    for piece in jax.tree.leaves(state, is_leaf=is_module):
+        count = len(jax.tree.leaves(piece)) if is_module(piece) else 1
+        if is_module(piece):
+            inside.update(range(start, start + count))
+        start += count
+    return numbers & inside
+
+
 def partition(state: Any) -> tuple[Any, Static | None]:
     """``(arrays, static)``: the array leaves of ``state`` (``None`` in place of the others)
     and the others (:class:`Static`), as ``eqx.partition(state, eqx.is_array)`` gives them; or
-    ``(state, None)`` when every leaf is an array (see :func:`is_array`).
+    ``(state, None)`` when every leaf is an array (see :func:`is_array`,
+    :func:`module_numbers`).
 
     >>> arrays, static = partition({"w": np.ones(2), "act": np.tanh})
     >>> arrays["act"] is None, static.combine(arrays)["act"] is np.tanh
     (True, True)
     """
     leaves, treedef = jax.tree.flatten(state)
-    where = tuple(i for i, leaf in enumerate(leaves) if not is_array(leaf))
+    in_modules = module_numbers(state, leaves)
+    where = tuple(i for i, leaf in enumerate(leaves) if not is_array(leaf) or i in in_modules)
     if not where:
         return state, None
     holes = [None if i in where else leaf for i, leaf in enumerate(leaves)]

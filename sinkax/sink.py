@@ -128,7 +128,7 @@ class Sink:
         comes once the state is donated is held until the next call (or ``close()``), which it
         stops before anything runs.
         """
-        handoff = interrupt.Handoff()
+        handoff = interrupt.Handoff.opened()  # passes Ctrl-C on until the call says otherwise
         if self._running:  # a load and a store, no call between: no other thread runs in between
             raise RuntimeError(_BUSY)
         self._running = True
@@ -161,10 +161,13 @@ class Sink:
             returned = executor.returned(carry, static)  # frees the last call's state
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException as error:
+            # A plain store, no call: from here a second Ctrl-C is held, so that the cleanup
+            # runs whole and the sink is left usable; handoff.failed() passes it on after.
+            handoff.state = interrupt.DISPATCHED
             self._peers.fail(error)  # the other processes raise too, none waits for this one
-            handoff.failed()
             cursor.failed(consumed=bool(parts))  # the next call rewinds what this one took
             self._running = False
+            handoff.failed()
             raise
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
         cursor.commit(piece)
@@ -275,7 +278,8 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         or for ``sink_size=1`` ``"step"`` (see :mod:`sinkax.execution.choice`). The environment
         variable ``SINKAX_STRATEGY`` (``scan`` / ``loop``) pins what ``"auto"`` runs, and so
         does a ``data_state`` that recorded one.
-      prefetch: chunks prepared ahead on the device; at most ``prefetch + 1`` are held there.
+      prefetch: chunks prepared ahead on the device (1 to 64); at most ``prefetch + 1`` are
+        held there.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds without a single new batch from the dataset before a waiting call
         raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out).

@@ -128,7 +128,9 @@ def ctrl_c_at_check(k, function=None, also=()):
 
     def on_opcode(frame, event, arg):
         frame.f_trace_opcodes = True
-        if event == "opcode":
+        if event == "exception":  # CPython checks after a call that returned, not one that
+            last[id(frame)] = -1  # raised: no check before the handler's first opcode
+        elif event == "opcode":
             code = frame.f_code
             if code not in after:
                 after[code] = signal_checks(code)

@@ -79,3 +79,9 @@ def test_a_missing_private_module_counts_as_a_missing_name(monkeypatch):
     monkeypatch.setitem(compat.PRIVATE, "register_plugin", ("jax._src.renamed", "register_plugin"))
     with pytest.raises(compat.JaxVersionError, match=r"jax\._src\.renamed\.register_plugin"):
         compat.register_plugin("another", library_path="/nonexistent.so", priority=-100)
+
+
+def test_without_jax_s_platform_lists_a_fixed_set_names_its_platforms(monkeypatch):
+    assert {"cpu", "cuda", "tpu"} <= compat.jax_platform_names()
+    remove(monkeypatch, "platform_aliases")
+    assert compat.jax_platform_names() == compat.KNOWN_PLATFORMS

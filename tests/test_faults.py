@@ -252,6 +252,27 @@ def test_max_chunk_bytes_that_is_no_byte_count_is_refused(bad):
         sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, max_chunk_bytes=bad)
 
 
+def test_a_prefetch_the_ring_cannot_set_up_is_refused_naming_the_limit():
+    from sinkax.config import MAX_PREFETCH, SinkConfig
+
+    assert SinkConfig.of(2, prefetch=MAX_PREFETCH).prefetch == MAX_PREFETCH
+    with pytest.raises(ValueError, match=f"prefetch must be an int from 1 to {MAX_PREFETCH}"):
+        SinkConfig.of(2, prefetch=10**9)  # data_sink would set up 10**9 + 1 device slots
+
+
+@pytest.mark.parametrize("bad", [True, False, "5", 0, -1.0])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(bad):
+    with pytest.raises(ValueError, match="timeout must be seconds"):
+        sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, timeout=bad)
+
+
+def test_a_bad_first_batch_is_reported_at_its_own_position():
+    batches = [{"index": np.array([2**40, 1])}] + [{"index": np.array([0, 1])}] * 3
+    sink = sinkax.data_sink(collect_index, batches, 2)
+    with sink, pytest.raises(sinkax.BatchSpecError, match="Batch at epoch 0, step 0, leaf"):
+        sink(jnp.int32(0))
+
+
 def test_a_device_may_be_a_platform_name_and_anything_else_is_refused():
     data = indexed_map_dataset(8, 2, seed=None)
     with sinkax.data_sink(collect_index, data, 2, device="cpu") as sink:
@@ -275,3 +296,37 @@ def test_int64_values_that_would_wrap_to_32_bits_are_refused():
     sink = sinkax.data_sink(lambda s, b: (s, b["i"]), wraps, 2)
     with sink, pytest.raises(sinkax.BatchSpecError, match="would wrap"):
         sink(jnp.int32(0))
+
+
+@pytest.mark.parametrize("piece", [0, 1], ids=["before-any-step", "after-a-chunk-ran"])
+def test_a_second_ctrl_c_while_a_call_unwinds_from_the_first_does_not_wedge_the_sink(piece):
+    # the first Ctrl-C lands while the call waits for its `piece`-th chunk; the second at each
+    # point of the call after it, the error path included, in turn
+    dataset = indexed_map_dataset(40000, BATCH, seed=None)
+    options = {"strategy": "scan", "max_chunk_bytes": 4 * 24, "prefetch": 1}  # 3 chunks a call
+    with sinkax.data_sink(collect_index, dataset, 9, **options) as sink:
+        state, outs = sink(jnp.int32(0))
+        numbers = batch_numbers(outs)
+        next_piece, pieces = sink._cursor.next_piece, itertools.count()
+
+        def interrupted_at_piece(*args):
+            if next(pieces) == piece:
+                raise KeyboardInterrupt  # the first Ctrl-C
+            return next_piece(*args)
+
+        for k in itertools.count():
+            sink._cursor.next_piece, pieces = interrupted_at_piece, itertools.count()
+            with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k) as checks:
+                state, outs = sink(state)  # the second Ctrl-C at check k
+            sink._cursor.next_piece = next_piece
+            assert sinkax.interrupt.GUARD.state is None, f"second Ctrl-C at check {k}"
+            with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C held for this call
+                state, outs = sink(state)  # "already running a call" if wedged
+                numbers += batch_numbers(outs)
+            state = calls_until(sink, state, len(numbers) + 9, numbers)
+            assert numbers == list(range(len(numbers))), f"second Ctrl-C at check {k}"
+            assert int(state) == len(numbers), f"second Ctrl-C at check {k}: the state lost steps"
+            if next(checks) <= k:
+                break
+        assert k > 10  # the call passed its error path's checks, each with a second Ctrl-C
+        assert_no_slot_leaked(sink)

@@ -1,4 +1,5 @@
-"""The package's layout: no import cycle between sinkax's modules, and no module too long."""
+"""The package's layout: no import cycle between sinkax's modules, no module too long, and
+project metadata that builds cleanly."""
 
 import ast
 import pathlib
@@ -96,3 +97,13 @@ def test_the_checks_find_a_cycle_and_a_long_module(tmp_path):
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
     assert graph["pkg.c"] == set()  # type-checking imports run nothing
     assert long_modules(package, limit=2) == {"pkg.c": 3}
+
+
+def test_the_license_is_an_spdx_expression_that_setuptools_takes_without_warning():
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    # a `license = {text = ...}` table is deprecated since setuptools 77 (PEP 639), which warns
+    # twice on every install; the SPDX string needs setuptools >= 77 to build
+    assert project["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in project["build-system"]["requires"]

@@ -317,6 +317,28 @@ def test_helper_misuse_is_explained():
         host_net(state)
 
 
+@pytest.mark.parametrize("sink_mode", [True, False], ids=["sink", "non-sink"])
+def test_a_ctrl_c_after_an_epochs_last_step_still_counts_the_epoch(sink_mode):
+    data = [{"i": np.int32(i)} for i in range(4)]
+    with DatasetHelper(data, dataset_sink_mode=sink_mode, epoch_num=3) as helper:
+        net = connect_network_with_dataset(lambda s, b: (s + 1, b["i"]), helper)
+        state, seen, interrupted = jnp.int32(0), [], False
+        while True:  # a loop that carries on after a Ctrl-C, until the helper has run out
+            try:
+                for _ in helper:
+                    state, outs = net(state)
+                    seen += np.asarray(outs).tolist()
+                    if len(seen) == 8 and not interrupted:  # epoch 2's last step has run
+                        interrupted = True
+                        raise KeyboardInterrupt  # ... before the helper counted the epoch
+            except KeyboardInterrupt:
+                continue
+            except sinkax.SinkClosedError:
+                break
+    assert seen == [0, 1, 2, 3] * 3  # 3 epochs, not 4
+    assert int(state) == 12 and helper.data_state()["epoch"] == 3
+
+
 def test_eval_step_in_a_stateless_sink():
     model = new_model()
     model.train(2, blobs(10))

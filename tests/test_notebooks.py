@@ -44,6 +44,7 @@ SMALL: dict[str, dict[str, object]] = {
     },
 }
 NEEDS_MNIST = {"quickstart.ipynb", "custom_loop.ipynb"}
+SHOWS_PROGRESS = {"quickstart.ipynb"}  # a ProgressBar, whose saved output must read 100%
 
 Check = tuple[str, Callable[..., bool] | None]
 # Per notebook: (regex, predicate on its groups) that must match the printed output.
@@ -83,6 +84,17 @@ def printed(nb) -> str:
     return "\n".join(
         "".join(o.text for o in c.get("outputs", []) if o.get("name") == "stdout") for c in nb.cells
     )
+
+
+def saved_bars(nb) -> list[str]:
+    """What each progress bar in the outputs reads as saved: a stream's last ``\r`` segment
+    that shows a bar, a displayed widget's text."""
+    texts = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            text = output.get("text") or output.get("data", {}).get("text/plain", "")
+            texts += [part for part in re.split(r"[\r\n]", text) if re.search(r"\d+%\|", part)]
+    return texts[-1:] if texts else []
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
@@ -138,8 +150,19 @@ def test_notebook_runs(path):
         f"the python3 kernel ran in {kernel_prefix}, not in this interpreter's {sys.prefix}: "
         "install ipykernel in this environment (its python3 kernel is this interpreter)"
     )
+    if name in SHOWS_PROGRESS:
+        bars = saved_bars(nb)
+        assert bars and bars[-1].lstrip().startswith("100%"), f"{name}: saved bar {bars}"
     for pattern, predicate in EXPECT[name]:
         match = re.search(pattern, out)
         assert match, f"{name} printed nothing matching {pattern!r}; it printed:\n{out}"
         if predicate is not None:
             assert predicate(*match.groups()), f"{name}: {match.group(0)!r} fails its check"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
+def test_notebooks_name_the_scan_strategy_s_loop_as_the_docs_do(path):
+    design = (NOTEBOOKS.parent / "docs" / "design.md").read_text()
+    assert "`lax.fori_loop` of dynamic trip count" in design  # what "scan" compiles
+    prose = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type != "code"]
+    assert not [text for text in prose if "lax.scan" in text]

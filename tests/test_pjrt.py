@@ -273,6 +273,26 @@ def test_the_plugin_loads_in_a_fresh_process_only_when_asked():
     assert plain.returncode != 0 and "Unknown backend" in plain.stderr
 
 
+def test_a_misspelt_sinkax_pjrt_stops_the_program_with_the_presets(monkeypatch):
+    code = "import jax; print(jax.devices()); import sinkax; print('carried on')"
+    env = {**os.environ, "SINKAX_PJRT": "pcie4-x61"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode != 0 and "carried on" not in run.stdout
+    assert "SINKAX_PJRT='pcie4-x61' names no emulated-device preset" in run.stderr
+    assert "pcie4-x16" in run.stderr.splitlines()[-1]  # the presets, in the error itself
+    monkeypatch.setenv("SINKAX_PJRT", "pcie4-x61")
+    with pytest.raises(ValueError, match="known: ascend910-pcie4, counting, pcie4-x16"):
+        pjrt.env_preset()  # what device="Emulated" loads, instead of the default preset
+    monkeypatch.setenv("SINKAX_PJRT", "pcie5-x16")
+    assert pjrt.env_preset() == "pcie5-x16"
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "gpu", "tpu"])
+def test_the_plugin_is_not_registered_under_a_platform_jax_has(platform):
+    with pytest.raises(ValueError, match=f"platform {platform!r} is one of jax's own"):
+        pjrt.use_plugin("/some/plugin.so", platform)
+
+
 def test_misuse_of_the_plugin_layer_is_explained():
     with pytest.raises(ValueError, match="Unknown emulated-device preset 'nope'"):
         pjrt.use_emulated("nope")

@@ -45,3 +45,20 @@ def test_flax_example_learns():
 def test_docs_home_shows_the_tested_example():
     home = (README.parent / "docs" / "index.md").read_text()
     assert f"```python\n{readme_block('the mean loss falls every epoch')}```" in home
+
+
+def code_lines(markdown: str) -> list[str]:
+    """The lines inside the fenced code blocks of ``markdown``."""
+    return [
+        line
+        for block in re.findall(r"```\w*\n(.*?)```", markdown, re.DOTALL)
+        for line in block.splitlines()
+    ]
+
+
+def test_the_docs_home_code_fits_the_text_column():
+    # about 85 columns of code fit the docs' text column at 1280 px; with a margin, no
+    # end-of-line comment (the install extras, the first example's) hides behind a scroll bar
+    text = (README.parent / "docs" / "index.md").read_text()
+    wide = [line for line in code_lines(text) if len(line) > 80]
+    assert wide == [], wide

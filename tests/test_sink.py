@@ -781,6 +781,8 @@ class _Timed:
         ([4, 1], [2], "scan", 3),  # a slow spell in scan's first trial: not decided
         ([3, 3], [1], "loop", 3),  # loop faster than scan's best trial
         ([3, 1.05], [1], "scan", 3),  # loop barely faster: the loop sink proper is kept
+        ([3, 2], [1.7], "scan", 3),  # loop's lead (0.3) is within scan's own spread (1): noise
+        ([2, 2.1], [1.7], "loop", 3),  # ... and beyond it (0.1): loop is faster
     ],
 )
 def test_auto_keeps_scan_unless_loop_beats_its_best_trial(

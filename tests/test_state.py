@@ -12,6 +12,7 @@ from flax.training import train_state
 
 import sinkax
 from sinkax.errors import BatchSpecError
+from sinkax.train import DatasetHelper, connect_network_with_dataset
 
 # every way a sink runs its steps; "auto" is set (in `sink_options`) to try both of its
 # candidates, scan and loop, within the first calls
@@ -161,6 +162,29 @@ def test_a_stateless_step_called_with_a_state_says_to_call_without():
         np.testing.assert_allclose(sink(), [0.0, 3.0])
 
 
+def test_a_step_with_more_parameters_is_told_to_bind_them_not_to_drop_the_state():
+    def train(state, batch, lr):
+        return state - lr * batch.sum(), None
+
+    with sinkax.data_sink(train, ones(), 2) as sink:
+        with pytest.raises(TypeError, match=r"train\(state, batch, lr\) needs 3 arguments") as e:
+            sink(jnp.float32(0))
+        assert "takes no state" not in str(e.value)
+        assert "functools.partial(train, lr=...)" in str(e.value)
+    sink = sinkax.data_sink(lambda batch, scale, shift: batch * scale, ones(), 2)
+    with sink, pytest.raises(TypeError, match=r"needs 3 arguments.*sink\(\) passes one"):
+        sink()
+
+
+def test_a_step_that_takes_batch_before_state_is_told_the_order():
+    def train(batch, state):
+        return state + batch.sum(), None
+
+    sink = sinkax.data_sink(train, ones(), 2)
+    with sink, pytest.raises(TypeError, match=r"train\(batch, state\) takes the batch first"):
+        sink(jnp.float32(0))
+
+
 # -- donation -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["scan", "step"])
 def test_passing_a_donated_state_again_is_refused_with_the_fix(strategy):
@@ -212,6 +236,22 @@ def test_eval_with_carried_params_compiles_once_and_sees_each_params():
         np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
         np.testing.assert_array_equal(kept, params)
     assert compiles == [1, 0, 0]
+
+
+def test_a_warning_points_at_the_users_line_not_at_sinkax():
+    weights = jnp.eye(3)
+
+    def step(state, batch):
+        return state, batch @ weights  # captures an array: sinkax warns
+
+    for make in (
+        lambda: sinkax.data_sink(step, ones(), 2),
+        lambda: sinkax.Sink(step, ones(), 2),
+        lambda: connect_network_with_dataset(step, DatasetHelper(ones(), sink_size=2)),
+    ):
+        with pytest.warns(UserWarning, match="captures arrays") as record:
+            make().close()
+        assert [w.filename for w in record] == [__file__], [w.filename for w in record]
 
 
 def test_a_step_closing_over_replaced_params_is_refused_not_run_stale():
@@ -287,6 +327,30 @@ def test_an_equinox_mlp_trains_as_with_filter_jit(sink_options):
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     assert isinstance(state[0], eqx.nn.MLP) and state[0].activation is jax.nn.tanh
     np.testing.assert_allclose(state[0].layers[0].weight, expected_model.layers[0].weight, 1e-5)
+
+
+def test_an_equinox_module_s_python_number_fields_stay_static_as_under_filter_jit():
+    # MaxPool2d's init=-inf is a plain float field: traced, reduce_window's jvp refuses it
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(1, 2, 3, key=keys[0]),
+            eqx.nn.MaxPool2d(2, 2),
+            eqx.nn.Lambda(jnp.ravel),
+            eqx.nn.Linear(8, 1, key=keys[1]),
+        ]
+    )
+    rng = np.random.default_rng(2)
+    data = [(x, np.tanh(x.sum((1, 2, 3))[:, None])) for x in rng.normal(size=(4, 8, 1, 6, 6))]
+    data = [(x.astype(np.float32), y.astype(np.float32)) for x, y in data]
+    expected_model, expected = eqx_reference(model, data, 4)
+    state = (model, EQX_OPTIMIZER.init(eqx.filter(model, eqx.is_array)))
+    with sinkax.data_sink(eqx_train_step, data, 2) as sink:
+        state, first = sink(state)
+        state, second = sink(state)
+    np.testing.assert_allclose(np.concatenate([first, second]), expected, rtol=1e-5)
+    assert state[0].layers[1].init == -np.inf  # still the Python float it was
+    np.testing.assert_allclose(state[0].layers[3].bias, expected_model.layers[3].bias, rtol=1e-5)
 
 
 def test_a_filtered_equinox_model_trains_as_with_filter_jit():

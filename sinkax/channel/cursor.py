@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +37,7 @@ from sinkax.channel.position import check_data_state, move_to
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import Source, snapshot
 from sinkax.config import SinkConfig
-from sinkax.errors import SinkTimeoutError
+from sinkax.errors import SinkTimeoutError, warn
 from sinkax.spec import BatchSpec
 
 
@@ -288,4 +287,4 @@ class Cursor:
             self._finalizer.detach()
             self._ring.close(self.timeout)
         elif not self._stop_ring():
-            warnings.warn(self._stuck_producer("close()"), RuntimeWarning, stacklevel=3)
+            warn(self._stuck_producer("close()"), RuntimeWarning)

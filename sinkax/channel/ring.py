@@ -116,7 +116,7 @@ class DeviceRing:
             self.spec = BatchSpec.of(first)
             self._spec_known = True
             self._spec_pending.release()
-            pending = [first]
+            pending = [_Row(check(self.spec, first, start))]  # checked here, at its position
             layouts = self._plan(self.spec, start)
             head = list(itertools.islice(layouts, 3))
             capacity = max(map(_steps, head), default=0)  # later layouts are alike

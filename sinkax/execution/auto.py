@@ -31,7 +31,8 @@ class Auto:
 
     A trial is one or more consecutive windows of one candidate, timed from the end of the last
     window's compute to the end of its own, until it spans :data:`TRIAL_S` seconds.
-    ``candidates[0]`` is kept unless another is faster by :data:`PREFER_MARGIN`. The decision is
+    ``candidates[0]`` is kept unless another is faster than its best trial by
+    :data:`PREFER_MARGIN` and by more than its trials differ (:meth:`_fastest`). The decision is
     kept beside the executables (per step function, state and batch layout, device) and reused by
     every later sink of the same step; :meth:`reselect` measures again.
     """
@@ -59,6 +60,7 @@ class Auto:
     def _reset(self) -> None:
         self.chosen: Windowed | None = None
         self.timings: dict[str, float] = {c.name: math.inf for c in self._candidates}
+        self._first_trials: list[float] = []  # per step, of each trial of candidates[0]
         self._pending = [*self._candidates, self._first]  # A B A: see the module docstring
         self._trial_s, self._trial_steps = 0.0, 0  # of the trial under way
 
@@ -99,6 +101,8 @@ class Auto:
         if self._trial_s >= TRIAL_S:
             per_step = self._trial_s / self._trial_steps
             self.timings[candidate.name] = min(self.timings[candidate.name], per_step)
+            if candidate is self._first:
+                self._first_trials.append(per_step)
             self._pending.pop(0)
             self._trial_s, self._trial_steps = 0.0, 0
             if not self._pending or self._clearly_first():
@@ -112,8 +116,13 @@ class Auto:
         return all(map(math.isfinite, rivals)) and min(rivals) > CLEAR_MARGIN * first
 
     def _fastest(self) -> Windowed:
-        """The first candidate, unless another is faster by :data:`PREFER_MARGIN`."""
+        """The first candidate, unless another beats its best trial by :data:`PREFER_MARGIN`
+        *and* by more than the first's own trials differ -- the noise of this machine in this
+        window: two candidates within noise of each other always keep the first, so that the
+        choice does not flip from run to run."""
         best = min(self._others, key=lambda c: self.timings[c.name])
-        if self.timings[best.name] * PREFER_MARGIN < self.timings[self._first.name]:
+        first, rival = self.timings[self._first.name], self.timings[best.name]
+        noise = max(self._first_trials) - min(self._first_trials)
+        if rival * PREFER_MARGIN < first and rival < first - noise:
             return best
         return self._first

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import inspect
 import os
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sinkax.errors import warn
 from sinkax.pytree import layout
 
 _CARRY_ARRAYS = (
@@ -111,12 +111,11 @@ class Compiler:
             self._cache.clear()  # compiled with other arrays in: stale for this sink
         self._cache[_CAPTURED] = self._captured
         if self._captured:
-            warnings.warn(
+            warn(
                 f"The step function {self.name} captures arrays ({', '.join(self._captured)}): "
                 "they are compiled into its executables as constants, so a new step function "
                 "per evaluation compiles again, and a sink refuses to run once they are "
-                f"replaced. {_CARRY_ARRAYS}",
-                stacklevel=4,
+                f"replaced. {_CARRY_ARRAYS}"
             )
 
     def specialise(self, key: Any) -> None:

@@ -26,10 +26,16 @@ def stateless(fn: Callable[[Any], Any]) -> StepFn:
     return lambda state, batch: (state, fn(batch))
 
 
+_BATCH_NAMES = {"batch", "inputs", "data", "x"}
+_STATE_NAMES = {"state", "train_state", "params", "model", "carry", "variables"}
+
+
 def check_step_form(fn: Callable[..., Any], stateful: bool) -> None:
-    """``TypeError`` naming the call form to use if ``fn`` cannot be called as a step of the
-    form the sink was called with: ``fn(state, batch)`` for ``sink(state)``, ``fn(batch)`` for
-    ``sink()``. Functions without a signature pass.
+    """``TypeError`` naming the fix if ``fn`` cannot be called as a step of the form the sink
+    was called with: ``fn(state, batch)`` for ``sink(state)``, ``fn(batch)`` for ``sink()``.
+    Diagnosed: the other form; more required parameters than the form passes (bind them); a
+    stateful step whose parameter names say it takes the batch first. Functions without a
+    signature pass.
 
     >>> check_step_form(lambda b: b, stateful=True)
     Traceback (most recent call last):
@@ -40,10 +46,28 @@ def check_step_form(fn: Callable[..., Any], stateful: bool) -> None:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins, some C callables: nothing to check
         return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    params = [p for p in signature.parameters.values() if p.kind not in variadic]
+    needed = [p.name for p in params if p.default is inspect.Parameter.empty]
+    if len(needed) > 2:
+        call = "sink(state) passes (state, batch)" if stateful else "sink() passes one, the batch"
+        raise TypeError(
+            f"{name}{signature} needs {len(needed)} arguments, but a step is called with at "
+            f"most the state and the batch: {call}. Bind the others first, e.g. "
+            f"`functools.partial({name}, {needed[2]}=...)`, or close over them; a value that "
+            "changes between calls belongs in the state."
+        )
+    first, second = [*(p.name for p in params), None, None][:2]
+    if stateful and first in _BATCH_NAMES and second in _STATE_NAMES:
+        raise TypeError(
+            f"sink(state) calls the step as fn(state, batch), but {name}{signature} takes the "
+            f"batch first (by its parameter names). Put the state first: "
+            f"def {name}({second}, {first}, ...)."
+        )
     try:
         signature.bind(None, None) if stateful else signature.bind(None)
     except TypeError:
-        name = getattr(fn, "__name__", type(fn).__name__)
         if stateful:
             raise TypeError(
                 f"sink(state) runs a step fn(state, batch) -> (state, out), but {name}"

@@ -219,6 +219,9 @@ class TerminateOnNaN(Callback):
 class ProgressBar(Callback):
     """A ``tqdm`` bar over all steps of the run, advanced by each sink's steps.
 
+    A text bar, in a notebook too: a widget bar's saved output is its text when first shown
+    (``0%``), where a text bar's reads as it ended.
+
     >>> ProgressBar().bar is None
     True
     """
@@ -228,7 +231,7 @@ class ProgressBar(Callback):
         self.bar: Any = None
 
     def on_train_begin(self, run: RunContext) -> None:
-        tqdm = _optional("tqdm.auto", "ProgressBar").tqdm
+        tqdm = _optional("tqdm.std", "ProgressBar").tqdm
         total = (run.epochs - run.initial_epoch) * (run.steps_per_epoch or 0) or None
         self.bar = tqdm(total=total, unit="step", **self.tqdm_options)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from typing import Any
 
 import jax
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sinkax import distributed
+from sinkax.errors import warn
 from sinkax.train.callbacks import Callback, RunContext, _check_positive, _optional
 
 
@@ -140,11 +140,10 @@ class ModelCheckpoint(Callback):
         if _finite(run.state):
             self.save(run)
         else:
-            warnings.warn(
+            warn(
                 f"ModelCheckpoint did not save step {run.step} (epoch {run.epoch}): its state is "
                 "not finite (NaN or inf); the checkpoints saved before it are kept.",
                 RuntimeWarning,
-                stacklevel=2,
             )
 
     def __exit__(self, *exc: object) -> None:

@@ -93,6 +93,7 @@ class DatasetHelper:
         self.epoch_num = int(epoch_num)
         self._options = sink_options
         self._epochs_done = 0
+        self._epoch_from: dict[str, Any] | None = None  # where the epoch under way started
         self._sink: Sink | None = None
         self._host: _HostFeed | None = None
         self._net: _HostNet | None = None
@@ -139,20 +140,38 @@ class DatasetHelper:
 
     def __iter__(self) -> Iterator[Any]:
         channel = self._channel()
+        self._count_epoch()  # one whose last step ran before a Ctrl-C stopped this generator
         if self._epochs_done >= self.epoch_num:
+            self.close()  # (done already, unless a Ctrl-C came between the count and the close)
             raise SinkClosedError(
                 f"This DatasetHelper was made for epoch_num={self.epoch_num} epoch(s) and has run "
                 "them all; create it with a larger epoch_num (or a new one with "
                 "data_state=helper.data_state() to continue)."
             )
+        if self._epoch_from is None:
+            self._epoch_from = channel.data_state()
         if self._sink is not None:
             yield self.sink_size if self.sink_size > 0 else self._sink.epoch_length - channel.step
         else:
             for _ in range(len(self)):
                 yield self._host.pull()  # type: ignore[union-attr]
-        self._epochs_done += 1
-        if self._epochs_done == self.epoch_num:
-            self.close()
+        self._count_epoch()
+
+    def _count_epoch(self) -> None:
+        """Count the epoch under way if the data position shows it has run -- in sink mode one
+        call (``sink_size > 0``) or the rest of a pass (``-1``), in non-sink mode the rest of a
+        pass -- and close the helper after its last one. The data position, not the generator,
+        decides: a Ctrl-C after an epoch's last step and before the generator resumed leaves the
+        epoch run, and counted at the next iteration."""
+        start = self._epoch_from
+        if start is None:
+            return
+        now = self._channel().data_state()
+        moved = (now["epoch"], now["step"]) != (start["epoch"], start["step"])
+        if now["epoch"] > start["epoch"] or (self.sink_size > 0 and moved):
+            self._epochs_done, self._epoch_from = self._epochs_done + 1, None  # no call between
+            if self._epochs_done == self.epoch_num:
+                self.close()
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

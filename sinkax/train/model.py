@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from sinkax import context, distributed
+from sinkax.errors import warn
 from sinkax.pytree import copy_tree
 from sinkax.train.callbacks import Callback, RunContext
 from sinkax.train.checkpoint import ModelCheckpoint
@@ -188,10 +188,9 @@ class Model:
             initial_epoch, data_state = meta["epoch"], meta["data_state"]
             _check_epochs(epoch, initial_epoch)
         if not dataset_sink_mode and sink_size != -1:
-            warnings.warn(
+            warn(
                 "sink_size is ignored when dataset_sink_mode=False: every epoch is one pass "
-                "over the dataset.",
-                stacklevel=2,
+                "over the dataset."
             )
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
