@@ -17,6 +17,10 @@ from sinkax.train import LossMonitor, Model
 
 MICRO_BATCH, ACCUMULATE, FEATURES, CLASSES = 8, 4, 16, 4
 
+# float32 matrix products in full precision: a GPU's default rounds their inputs to TF32, and
+# the two runs below, which sum the same gradients in another order, would then differ by ~1e-2
+jax.config.update("jax_default_matmul_precision", "highest")
+
 
 TEACHER = np.random.default_rng(42).normal(size=(FEATURES, CLASSES))
 

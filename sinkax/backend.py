@@ -100,10 +100,13 @@ def available() -> dict[str, list[jax.Device]]:
 
 
 def resolve_device(target: str | None = None, device_id: int = 0) -> jax.Device:
-    """The device ``device_id`` of ``target`` (default: JAX's default backend).
+    """The device ``device_id`` of ``target`` (default: the emulated device where ``SINKAX_PJRT``
+    selects it, else JAX's default backend).
 
     Raises ``ValueError`` naming the targets and devices that are available.
     """
+    if target is None and pjrt.env_preset():  # SINKAX_PJRT selects the emulated device
+        target = "Emulated"
     _load_on_demand(target)
     reachable = available()
     listing = ", ".join(f"{t}: {len(d)} device(s)" for t, d in reachable.items())

@@ -55,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--no-sink", action="store_true", help="dataset_sink_mode=False: one host step per batch"
     )
-    train.add_argument("--device", default="CPU", help="device target: CPU, GPU or Ascend")
+    train.add_argument(
+        "--device",
+        default=None,
+        help="device target: CPU, GPU, Ascend or Emulated (default: Emulated where the "
+        "environment variable SINKAX_PJRT selects the emulated device, else CPU)",
+    )
     train.add_argument("--device-id", type=int, default=0, help="device number")
     train.add_argument(
         "--devices",
@@ -107,6 +112,8 @@ def train_lenet(args: argparse.Namespace) -> float:
 
     start = time.perf_counter()
     launched = "SINKAX_PROCESS_ID" in os.environ  # by python -m sinkax.launch
+    if args.device is None:
+        args.device = "Emulated" if sinkax.pjrt.env_preset() else "CPU"
     if args.devices is not None:
         if args.device != "CPU":
             raise ValueError("--devices forces host CPU devices: use it with --device CPU.")
@@ -132,7 +139,7 @@ def train_lenet(args: argparse.Namespace) -> float:
     where = (
         f"{jax.device_count()} devices in {jax.process_count()} process(es), batch split"
         if parallel
-        else f"{sinkax.context.default_device()}"
+        else f"{sinkax.context.default_device()!r}"  # EmuDevice(id=0), CudaDevice(id=0), ...
     )
     source = args.data_dir or "the bundled 5,000-image sample"
     steps = args.sink_size if args.sink_size > 0 and not args.no_sink else len(train_set)

@@ -79,11 +79,11 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
 
 def default_device() -> jax.Device:
     """JAX's default device: ``jax_default_device`` when set (``sinkax.set_context`` sets it),
-    else the first local device."""
+    else the emulated device where ``SINKAX_PJRT`` selects it, else the first local device."""
     device = jax.config.jax_default_device
     if isinstance(device, str):  # a platform name
         return jax.local_devices(backend=device)[0]
-    return device or jax.local_devices()[0]
+    return device or resolve_device()
 
 
 def sink_device(device: jax.Device | str) -> jax.Device:

@@ -292,6 +292,9 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         Across ``jax.distributed`` processes each process's dataset yields its own part of
         every global batch (see :mod:`sinkax.distributed`).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
+      calls: the calls this sink will make, if known (``DatasetHelper`` and ``Model`` pass
+        their epochs): its producer then reads and moves to the device nothing past them, and a
+        call after them raises :class:`~sinkax.errors.SinkExhaustedError`. Default: no limit.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.

@@ -1,5 +1,6 @@
 """``sinkax train`` end to end on the bundled MNIST sample."""
 
+import os
 import re
 import subprocess
 import sys
@@ -49,6 +50,26 @@ def test_python_dash_m_and_bad_options():
     with pytest.raises(SystemExit) as exit_info:  # before anything is built
         main(["train", "--epochs", "0"])
     assert exit_info.value.code == 2
+
+
+def test_sinkax_pjrt_selects_the_emulated_device_for_the_cli_and_model():
+    code = (
+        "import sinkax, numpy as np, optax, jax.numpy as jnp\n"
+        "from sinkax.train import Model\n"
+        "print(repr(sinkax.context.default_device()), repr(sinkax.config.default_device()))\n"
+        "model = Model(lambda p, x: x @ p, jnp.ones((3, 2)), lambda y, b: jnp.mean(y), optax.sgd(0.1))\n"
+        "data = [(np.ones((4, 3), np.float32), np.zeros(4, np.int32))] * 2\n"
+        "run = model.train(1, data, sink_size=-1)\n"
+        "print(run.sink_stats.interactions.launches > 0)\n"
+    )
+    env = {**os.environ, "SINKAX_PJRT": "counting"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["EmuDevice(id=0)", "EmuDevice(id=0)", "True"]
+    help_text = subprocess.run(
+        [sys.executable, "-m", "sinkax", "train", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "Emulated" in help_text and "SINKAX_PJRT" in help_text
 
 
 def test_an_unavailable_device_is_a_clean_error(capsys):

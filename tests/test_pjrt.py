@@ -200,6 +200,21 @@ def test_a_sink_holds_at_most_prefetch_plus_one_chunks_in_device_memory(emu, cou
     assert pjrt.memory()[0] <= live + 64  # freed on close, but for the state
 
 
+def test_a_helpers_epochs_move_each_batch_once_and_nothing_past_the_last(emu, counting):
+    batch = {"x": np.ones((500, 32, 32, 1), np.float32)}  # 2 MB: an eval set of 2 batches
+    data, epochs = [batch, batch], 3
+    before = pjrt.interactions()
+    with DatasetHelper(data, True, -1, epoch_num=epochs, device=emu) as helper:
+        net = connect_network_with_dataset(lambda b: b["x"].mean(), helper)
+        for _ in range(epochs):
+            for _ in helper:
+                jax.block_until_ready(net())
+        stats = helper.stats
+    counted, nbytes = pjrt.interactions() - before, 2 * batch["x"].nbytes
+    assert stats.bytes_transferred == epochs * nbytes  # no epoch prefetched past the last
+    assert counted.h2d_bytes <= epochs * nbytes + 64  # and no row moved twice
+
+
 def test_a_donating_call_returns_before_its_compute_ends(emu, counting):
     def slow(x):
         for _ in range(40):

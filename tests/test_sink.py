@@ -646,6 +646,27 @@ def test_loop_sinks_of_one_step_make_outputs_of_their_own_layout():
         np.testing.assert_array_equal(outs, np.repeat(np.arange(3)[:, None], width, 1))
 
 
+def test_a_sink_of_known_calls_reads_nothing_past_them(batches):
+    read = []
+
+    def counted():
+        for i, batch in enumerate(batches):
+            read.append(i)
+            yield batch
+
+    dataset = type("Counted", (), {"__iter__": lambda self: counted()})()
+    state = init_state()
+    with sinkax.data_sink(train_step, dataset, 3, calls=2, prefetch=4) as sink:
+        for _ in range(2):
+            state, _ = sink(state)
+        with pytest.raises(sinkax.errors.SinkExhaustedError, match="calls="):
+            sink(state)
+        assert (sink.epoch, sink.step) == (0, 6)  # the failed call took nothing
+    assert read == list(range(6))  # prefetch 4 calls ahead, but there were only 2
+    with pytest.raises(ValueError, match="calls must be an int >= 1"):
+        sinkax.data_sink(train_step, batches, 3, calls=0)
+
+
 def test_a_new_sink_of_the_same_step_compiles_nothing(batches):
     step = functools.partial(train_step)
     assert run_sink(batches, 3, 2, step=step, strategy="scan")[2].compiles == 1

@@ -271,8 +271,9 @@ def connect_network_with_dataset(
     if helper._sink is not None or helper._net is not None:
         raise RuntimeError("This DatasetHelper already feeds a network; create one per network.")
     if helper.dataset_sink_mode:
-        helper._sink = data_sink(
-            fn, helper.dataset, helper.sink_size, data_state=helper._data_state, **helper._options
+        options = {"calls": helper.epoch_num, **helper._options}  # a call an epoch: nothing
+        helper._sink = data_sink(  # is read or moved to the device past the last one
+            fn, helper.dataset, helper.sink_size, data_state=helper._data_state, **options
         )
         return helper._sink
     helper._net = _HostNet(fn, helper._host, helper._options)  # type: ignore[arg-type]
