@@ -105,13 +105,15 @@ def fresh(state: Any) -> Any:
     return jax.tree.map(jnp.copy, state)
 
 
-def median_rate(run: Callable[[], int], repeats: int) -> float:
-    """Median over ``repeats`` of (steps run) / (seconds), ``run`` returning its step count."""
+def median_rate(run: Callable[[], int | tuple[int, float]], repeats: int) -> float:
+    """Median over ``repeats`` of (steps run) / (seconds), ``run`` returning its step count (it
+    is timed whole) or ``(steps, seconds)`` (it timed the part that counts itself)."""
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        steps = run()
-        rates.append(steps / (time.perf_counter() - t0))
+        result = run()
+        steps, seconds = result if isinstance(result, tuple) else (result, None)
+        rates.append(steps / (seconds or time.perf_counter() - t0))
     return statistics.median(rates)
 
 

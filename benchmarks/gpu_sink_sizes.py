@@ -1,20 +1,14 @@
 """Sink sizes on a GPU for one workload (``mlp``, ``lenet`` or ``transformer``): part of
 benchmarks/gpu_check.py, which runs each workload in a process of its own and under a time limit.
 
-Modes, each compiled and warmed up first, then measured round-robin (medians over repeats):
-
-* ``plain``              -- jitted per-step loop on host (numpy) batches;
-* ``prefetch 1 ahead``   -- the same, the next batch's ``device_put`` issued before each step:
-  the best hand-written loop;
-* ``device scan``        -- ``lax.scan`` over an epoch already on the device: the device-only
-  bound (no host data at all);
-* ``sinkax N``           -- ``data_sink(step, batches, N)``, N in 1, 10, 100, 1000 and one epoch.
-
-Per mode: steps/s; ratios to plain, to the bound and to the prefetching loop; ``setup s``, the
-seconds to compile and warm up (for a sink: create it, compile, measure its strategy, its first
-calls); for sinks also ``first call s``, a fresh sink's first call once its executables are
-compiled (the producer's start and first chunk included). The device's peak memory
-(``memory_stats()["peak_bytes_in_use"]``) covers the whole process, all modes.
+The modes and the timing are :func:`sink_sizes.measure`'s (plain, the hand-written jit loop
+with transfers issued 2 steps ahead and the hand-written ``lax.scan`` over chunks put ahead,
+sinkax at sink sizes 1, 10, 100, 1000 and one epoch -- a new sink per timed run --, and the
+device-only bounds), medians over repeats. Per sink size also ``first call s``: a fresh sink's
+first call once its executables are compiled (the producer's start and first chunk included),
+and ``cold first call s``: the first call of the first sink of the step, compiles included. The
+device's peak memory (``memory_stats()["peak_bytes_in_use"]``) covers the whole process, all
+modes.
 
     python benchmarks/gpu_sink_sizes.py mlp --out mlp.json              # on a GPU
     python benchmarks/gpu_sink_sizes.py transformer --dry-run --out t.json  # tiny, any device
@@ -25,14 +19,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 
 import _transformer
 import jax
 import sink_sizes
-from _common import fresh, machine, median_rate, table, workload
+from _common import fresh, machine, table, workload
 
 import sinkax
 
@@ -40,28 +33,12 @@ WORKLOADS = ("mlp", "lenet", "transformer")
 SIZES, DRY_SIZES = (1, 10, 100, 1000, -1), (1, 2, -1)
 FULL = {"mlp": (2000, 1000, 3), "lenet": (2000, 1000, 3), "transformer": (500, 500, 2)}
 DRY = (20, 10, 1)  # (steps per repeat, batches per epoch, repeats)
-COLUMNS = ["mode", "steps/s", "x plain", "x bound", "x prefetch", "strategy", "setup s"]
+COLUMNS = ["mode", "steps/s", "x plain", "x hand best", "x bound", "strategy"]
+FIRST = ["cold first call s", "first call s"]
 
 
-def prefetch_one_ahead(w, steps):
-    """The jitted loop with the next batch's transfer issued before the current step."""
-    step = jax.jit(w.step, donate_argnums=0)
-    state = jax.block_until_ready(step(fresh(w.init()), w.batches[0])[0])
-
-    def run():
-        nonlocal state
-        upcoming = jax.device_put(w.batches[0])
-        for i in range(steps):
-            batch, upcoming = upcoming, jax.device_put(w.batches[(i + 1) % len(w.batches)])
-            state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        return steps
-
-    return run
-
-
-def fresh_first_call(w, size, strategy):
-    """Seconds of a new sink's first call, its executables already compiled."""
+def first_call_seconds(w, size, strategy):
+    """Seconds of a new sink's first call (its creation included)."""
     state = jax.block_until_ready(fresh(w.init()))
     t0 = time.perf_counter()
     with sinkax.data_sink(w.step, w.batches, size, strategy=strategy) as sink:
@@ -69,40 +46,17 @@ def fresh_first_call(w, size, strategy):
         return time.perf_counter() - t0
 
 
-def label(size, epoch):
-    return f"sinkax epoch ({epoch})" if size == -1 else f"sinkax {size}"
-
-
 def bench(w, steps, repeats, sizes):
-    """Rows of the table for workload ``w``, one per mode."""
-    runs, setup, sinks = {}, {}, {}
-    plain_modes = [("plain", sink_sizes.plain), ("prefetch 1 ahead", prefetch_one_ahead)]
-    for mode, make in [*plain_modes, ("device scan", sink_sizes.device_scan)]:
-        t0 = time.perf_counter()
-        runs[mode] = make(w, steps)
-        setup[mode] = time.perf_counter() - t0
-    for size in sizes:
-        mode, t0 = label(size, len(w.batches)), time.perf_counter()
-        sinks[mode], runs[mode] = sink_sizes.sinkax_run(w, steps, size)
-        setup[mode] = time.perf_counter() - t0
-    rates = {mode: [] for mode in runs}
-    for _ in range(repeats):
-        for mode, run in runs.items():
-            rates[mode].append(median_rate(run, 1))
-    rows = [
-        {"mode": m, "steps/s": statistics.median(r), "setup s": setup[m]} for m, r in rates.items()
-    ]
-    by_mode = {row["mode"]: row["steps/s"] for row in rows}
+    """Rows of the table for workload ``w``, one per mode (see :func:`sink_sizes.measure`)."""
+    cold = {}
+    for size in sizes:  # the first sink of the step: compiles included
+        cold[sink_sizes.label(size, len(w.batches))] = first_call_seconds(w, size, "auto")
+    rows = sink_sizes.measure(w, steps, repeats, sizes)
     for row in rows:
-        row["x plain"] = row["steps/s"] / by_mode["plain"]
-        row["x bound"] = row["steps/s"] / by_mode["device scan"]
-        row["x prefetch"] = row["steps/s"] / by_mode["prefetch 1 ahead"]
-        if row["mode"] in sinks:
-            sink = sinks[row["mode"]]
-            row["strategy"] = sink.stats.strategy
+        if row["mode"] in cold:
             size = -1 if "epoch" in row["mode"] else int(row["mode"].split()[1])
-            row["first call s"] = fresh_first_call(w, size, sink.stats.strategy)
-            sink.close()
+            row["cold first call s"] = cold[row["mode"]]
+            row["first call s"] = first_call_seconds(w, size, row["strategy"])
     return rows
 
 
@@ -114,11 +68,12 @@ def targets(workload_name, rows):
         (f"{workload_name}: every sink size vs plain ({worst['mode']})", worst["x plain"], 1.0)
     ]
     later = sinks[1:]  # from the second sink size (10 on a GPU) on
-    slowest = min(later, key=lambda r: r["x prefetch"])
+    slowest = min(later, key=lambda r: r["x hand best"])
     checks.append(
         (
-            f"{workload_name}: sizes >= {later[0]['mode']} vs prefetch ({slowest['mode']})",
-            slowest["x prefetch"],
+            f"{workload_name}: sizes >= {later[0]['mode']} vs the better hand-written loop "
+            f"({slowest['mode']})",
+            slowest["x hand best"],
             1.0,
         )
     )
@@ -150,7 +105,7 @@ def main(argv=None):
     rows = bench(w, steps, repeats, sizes)
     checks = targets(args.workload, rows)
     print(f"{args.workload} ({machine()['device']}, jax {jax.__version__})")
-    print(table(rows, [*COLUMNS, "first call s"]))
+    print(table(rows, [*COLUMNS, *FIRST]))
     for description, ratio, threshold in checks:
         verdict = "PASS" if ratio >= threshold else "MISS"
         print(f"  {verdict}  {description}: {ratio:.2f}x (target >= {threshold}x)")

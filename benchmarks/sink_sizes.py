@@ -4,10 +4,17 @@ For each workload (the reference LeNet5 in ``lax.conv``, the same LeNet5 in flax
 dispatch-bound MLP; batch 32, SGD-momentum):
 
 * ``plain``          -- jitted per-step loop on host (numpy) batches: what users write first;
-* ``plain+prefetch`` -- the same with a thread putting the next batch on the device ahead;
-* ``sinkax N``       -- ``data_sink(step, batches, N)`` for N in 1, 10, 100, 1000 and one epoch;
-* ``device step``    -- per-step jitted loop over batches already on the device (bound);
-* ``device scan``    -- ``lax.scan`` over batches already on the device (bound).
+* ``jit, put 2 ahead`` -- the best hand-written jit loop: each batch's ``device_put`` issued two
+  steps before the step that takes it;
+* ``scan 100, put next first`` -- the best hand-written scan: ``lax.scan`` over chunks of 100
+  batches stacked beforehand, the next chunk's ``device_put`` issued before each scan;
+* ``sinkax N``       -- ``data_sink(step, batches, N)`` for N in 1, 10, 100, 1000 and one epoch,
+  a new sink per timed run (its executables compiled before), so that every batch it uses moves
+  inside the timed window;
+* ``device step``    -- per-step jitted loop over batches already on the device (the bound of
+  ``"loop"``);
+* ``device scan``    -- ``lax.scan`` over batches already on the device (the bound of
+  ``"scan"``). ``x bound`` compares a sink with the bound of the strategy it runs.
 
 Then the "first calls" table: the seconds of a fresh sink's first 1, 3 and 10 calls (sink sizes 1,
 100 and one epoch; ``strategy="auto"`` measuring again, as a new step function would, its
@@ -24,13 +31,13 @@ Every figure is a median over repeats, and every ratio compares figures of this 
 from __future__ import annotations
 
 import argparse
-import queue
+import collections
 import statistics
 import sys
-import threading
 import time
 
 import jax
+import numpy as np
 from _common import fresh, machine, median_rate, save, table, workload
 
 import sinkax
@@ -39,6 +46,7 @@ SIZES = (1, 10, 100, 1000, -1)
 
 
 def plain(w, steps):
+    """The jitted step per host (numpy) batch: what users write first."""
     step = jax.jit(w.step, donate_argnums=0)
     state = jax.block_until_ready(step(fresh(w.init()), w.batches[0])[0])
 
@@ -52,30 +60,53 @@ def plain(w, steps):
     return run
 
 
-def plain_prefetch(w, steps):
+def put_ahead(w, steps, ahead=2):
+    """The best hand-written jit loop: each batch's ``device_put`` issued ``ahead`` steps before
+    the step that takes it."""
     step = jax.jit(w.step, donate_argnums=0)
     state = jax.block_until_ready(step(fresh(w.init()), w.batches[0])[0])
 
     def run():
         nonlocal state
-        ready = queue.Queue(maxsize=1)
-        thread = threading.Thread(
-            target=lambda: [
-                ready.put(jax.device_put(w.batches[i % len(w.batches)])) for i in range(steps)
-            ],
-            daemon=True,
+        queue = collections.deque(
+            jax.device_put(w.batches[i % len(w.batches)]) for i in range(ahead)
         )
-        thread.start()
-        for _ in range(steps):
-            state, loss = step(state, ready.get())
+        for i in range(steps):
+            queue.append(jax.device_put(w.batches[(i + ahead) % len(w.batches)]))
+            state, loss = step(state, queue.popleft())
         jax.block_until_ready(loss)
-        thread.join()
         return steps
 
     return run
 
 
+def scan_ahead(w, steps, chunk=100):
+    """The best hand-written scan: ``lax.scan`` over chunks of ``chunk`` batches, stacked on the
+    host beforehand, the next chunk's ``device_put`` issued before each scan."""
+    chunks = [
+        jax.tree.map(
+            lambda *x: np.stack(x), *(w.batches[(k + i) % len(w.batches)] for i in range(chunk))
+        )
+        for k in range(0, len(w.batches), chunk)
+    ]
+    scan = jax.jit(lambda s, c: jax.lax.scan(w.step, s, c), donate_argnums=0)
+    state = jax.block_until_ready(scan(fresh(w.init()), chunks[0])[0])
+    calls = max(1, steps // chunk)
+
+    def run():
+        nonlocal state
+        upcoming = jax.device_put(chunks[0])
+        for k in range(calls):
+            current, upcoming = upcoming, jax.device_put(chunks[(k + 1) % len(chunks)])
+            state, losses = scan(state, current)
+        jax.block_until_ready(losses)
+        return calls * chunk
+
+    return run
+
+
 def device_step(w, steps):
+    """The jitted step over batches already on the device: the bound of ``"loop"``."""
     step = jax.jit(w.step, donate_argnums=0)
     batches = jax.device_put(w.batches)
     state = jax.block_until_ready(step(fresh(w.init()), batches[0])[0])
@@ -91,6 +122,7 @@ def device_step(w, steps):
 
 
 def device_scan(w, steps):
+    """``lax.scan`` over an epoch already on the device: the bound of ``"scan"``."""
     stacked = jax.device_put(jax.tree.map(lambda *x: jax.numpy.stack(x), *w.batches))
     scan = jax.jit(lambda s, c: jax.lax.scan(w.step, s, c), donate_argnums=0)
     state = jax.block_until_ready(scan(fresh(w.init()), stacked)[0])
@@ -107,52 +139,83 @@ def device_scan(w, steps):
 
 
 def sinkax_run(w, steps, sink_size, strategy="auto", **options):
-    sink = sinkax.data_sink(w.step, w.batches, sink_size, strategy=strategy, **options)
+    """``(run, strategy)``: ``run()`` creates a sink, makes ``prefetch + 1`` warm calls (the
+    chunks prefetched before them are used up), then times about ``steps`` steps in at least 2
+    more calls, and closes the sink; it returns ``(steps, seconds)`` of the timed calls. So no
+    other sink is open while one is timed, and the timed calls move their data as they would in
+    a long run. A first sink, not timed, compiled the executables (shared by later sinks of the
+    step) and let ``"auto"`` choose."""
+    prefetch = options.get("prefetch", 2)
     per_call = len(w.batches) if sink_size == -1 else sink_size
-    calls = max(1, steps // per_call)
+    calls = max(2, -(-steps // per_call))
     state = fresh(w.init())
-    while sink.stats.calls < 2 or sink.stats.strategy.startswith("auto"):  # compile, measure
-        state, _ = sink(state)
-    jax.block_until_ready(state)
+    with sinkax.data_sink(w.step, w.batches, sink_size, strategy=strategy, **options) as sink:
+        while sink.stats.calls < 2 or sink.stats.strategy.startswith("auto"):
+            state, _ = sink(state)
+        chosen = sink.stats.strategy
+    state = jax.block_until_ready(state)
 
     def run():
         nonlocal state
-        for _ in range(calls):
-            state, metrics = sink(state)
-        jax.block_until_ready(metrics)
-        return calls * per_call
+        with sinkax.data_sink(w.step, w.batches, sink_size, strategy=chosen, **options) as sink:
+            for _ in range(prefetch + 1):
+                state, metrics = sink(state)
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                state, metrics = sink(state)
+            jax.block_until_ready(metrics)
+            return calls * per_call, time.perf_counter() - t0
 
-    return sink, run
+    return run, chosen
+
+
+HAND_WRITTEN = (("jit, put 2 ahead", put_ahead), ("scan 100, put next first", scan_ahead))
+BOUNDS = (("device step", device_step), ("device scan", device_scan))
+BOUND_OF = {"scan": "device scan", "loop": "device step", "step": "device step"}  # by strategy
+
+
+def label(size, epoch):
+    return f"sinkax epoch ({epoch})" if size == -1 else f"sinkax {size}"
+
+
+def measure(w, steps, repeats, sizes, strategy="auto", wrap=None, **options):
+    """Rows of steps/s, one per mode: plain, the hand-written loops, sinkax at ``sizes`` and the
+    device-only bounds. Every mode is built and warmed up first, then each is timed alone (no
+    sink open beside it), round-robin ``repeats`` times, so that a slow spell of a shared machine
+    hits all modes alike; medians reported. Ratios: to plain, to the better hand-written loop,
+    and to the bound of the strategy the sink chose (its own compute, with the data already on
+    the device). ``wrap(mode, run)``, if given, returns the run to time instead of ``run``."""
+    runs, chosen = {"plain": plain(w, steps)}, {}
+    for mode, make in HAND_WRITTEN:
+        runs[mode] = make(w, steps)
+    for size in sizes:
+        mode = label(size, len(w.batches))
+        runs[mode], chosen[mode] = sinkax_run(w, steps, size, strategy, **options)
+    for mode, make in BOUNDS:
+        runs[mode] = make(w, steps)
+    if wrap is not None:
+        runs = {mode: wrap(mode, run) for mode, run in runs.items()}
+    rates = {mode: [] for mode in runs}
+    for _ in range(repeats):
+        for mode, run in runs.items():
+            rates[mode].append(median_rate(run, 1))
+    rate = {mode: statistics.median(r) for mode, r in rates.items()}
+    hand = max(rate[mode] for mode, _ in HAND_WRITTEN)
+    rows = []
+    for mode, steps_per_s in rate.items():
+        row = {"mode": mode, "steps/s": steps_per_s, "x plain": steps_per_s / rate["plain"]}
+        row["x hand best"] = steps_per_s / hand
+        if mode in chosen:
+            bound = rate[BOUND_OF.get(chosen[mode], "device scan")]
+            row.update(strategy=chosen[mode], **{"x bound": steps_per_s / bound})
+        rows.append(row)
+    return rows
 
 
 def bench(name, steps, epoch, repeats, strategy):
-    """Every mode compiled and warmed up first, then measured round-robin, ``repeats`` times,
-    so that a slow spell of this shared machine hits all modes alike; medians reported."""
-    w = workload(name, epoch)
-    runs, sinks = {}, {}
-    for label, make in [("plain", plain), ("plain+prefetch", plain_prefetch)]:
-        runs[label] = make(w, steps)
-    for size in SIZES:
-        label = f"sinkax {'epoch (' + str(epoch) + ')' if size == -1 else size}"
-        sinks[label], runs[label] = sinkax_run(w, steps, size, strategy)
-    for label, make in [("device step", device_step), ("device scan", device_scan)]:
-        runs[label] = make(w, steps)
-    rates = {label: [] for label in runs}
-    for _ in range(repeats):
-        for label, run in runs.items():
-            rates[label].append(median_rate(run, 1))
-    rows = [{"mode": label, "steps/s": statistics.median(r)} for label, r in rates.items()]
-    for row in rows:
-        if row["mode"] in sinks:
-            sink = sinks[row["mode"]]
-            row.update(strategy=sink.stats.strategy, bound=sink.stats.bound)
-            sink.close()
-    base = rows[0]["steps/s"]
-    best_device = max(r["steps/s"] for r in rows if r["mode"].startswith("device"))
-    for row in rows:
-        row["x plain"] = row["steps/s"] / base
-        row["x device best"] = row["steps/s"] / best_device
-    return rows
+    """The rows of workload ``name`` (see :func:`measure`)."""
+    return measure(workload(name, epoch), steps, repeats, SIZES, strategy)
 
 
 FIRST_SIZES = (1, 100, -1)
@@ -322,7 +385,7 @@ def main(argv=None):
     }
     for name, rows in results.items():
         print(f"\n{name}  ({machine()['device']}, jax {jax.__version__})")
-        print(table(rows, ["mode", "steps/s", "x plain", "x device best", "strategy", "bound"]))
+        print(table(rows, ["mode", "steps/s", "x plain", "x hand best", "x bound", "strategy"]))
     first = {}
     if args.first_repeats:
         for name in args.workloads:
