@@ -163,6 +163,7 @@ def test_notebook_runs(path):
 @pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
 def test_notebooks_name_the_scan_strategy_s_loop_as_the_docs_do(path):
     design = (NOTEBOOKS.parent / "docs" / "design.md").read_text()
-    assert "`lax.fori_loop` of dynamic trip count" in design  # what "scan" compiles
+    assert "a `lax.scan` of the window's length" in design  # what "scan" compiles
     prose = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type != "code"]
-    assert not [text for text in prose if "lax.scan" in text]
+    assert not [text for text in prose if "fori_loop" in text]
+    assert [text for text in prose if "`lax.scan`" in text]
