@@ -16,7 +16,8 @@ The default optimizer is SGD with momentum 0.9 (``nn.Momentum``) at a peak learn
 decayed to 0 by a cosine schedule: LeNet5's TruncatedNormal(0.02) initialisation leaves the loss
 flat at log(10) for several epochs, and the reference's constant 0.01 gets off that plateau late
 (epoch 6 to 9) and then swings by a few points of accuracy from epoch to epoch.
-``--checkpoint-dir DIR`` saves every epoch and resumes from the latest checkpoint in ``DIR``.
+``--checkpoint-dir DIR`` saves every epoch and resumes from the latest checkpoint in ``DIR``;
+``--progress K`` shows a progress bar advanced every K steps from inside each sink.
 
 >>> build_parser().parse_args(["train", "--epochs", "2"]).epochs
 2
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-dir", default=None, help="save every epoch here; resume from it if present"
     )
+    train.add_argument(
+        "--progress",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="a progress bar (tqdm, on stderr) advanced every K steps from inside each sink "
+        "where the device runs host callbacks (CPU, GPU), else once per sink",
+    )
     return parser
 
 
@@ -108,7 +117,14 @@ def train_lenet(args: argparse.Namespace) -> float:
 
     import sinkax
     from sinkax import datasets, nets
-    from sinkax.train import LossMonitor, Model, ModelCheckpoint, TimeMonitor, cross_entropy
+    from sinkax.train import (
+        LossMonitor,
+        Model,
+        ModelCheckpoint,
+        ProgressBar,
+        TimeMonitor,
+        cross_entropy,
+    )
 
     start = time.perf_counter()
     launched = "SINKAX_PROCESS_ID" in os.environ  # by python -m sinkax.launch
@@ -160,6 +176,8 @@ def train_lenet(args: argparse.Namespace) -> float:
         sink_options=sink_options,
     )
     callbacks = [LossMonitor(), TimeMonitor()]
+    if args.progress:
+        callbacks.append(ProgressBar(every=args.progress))
     resume = None
     if args.checkpoint_dir:
         checkpoint = ModelCheckpoint(args.checkpoint_dir, keep_last=3)

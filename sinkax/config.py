@@ -25,6 +25,8 @@ from jax.sharding import Sharding
 
 from sinkax import placement
 from sinkax.backend import TARGETS, resolve_device
+from sinkax.execution import progress as progress_hook
+from sinkax.execution.guard import Watch, watcher
 
 MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
 # The ring sets up prefetch + 1 device slots when it starts, each up to max_chunk_bytes on the
@@ -122,6 +124,9 @@ class SinkConfig:
     sharding: Sharding  # of one batch
     save_graphs: str | None
     calls: int | None = None  # the calls the sink will make, when known
+    stop_if_nonfinite: Watch = None  # what is checked, see sinkax.execution.guard.watcher
+    progress: progress_hook.Hook | None = None  # see sinkax.execution.progress
+    progress_every: int = 100
 
     @classmethod
     def of(
@@ -137,6 +142,9 @@ class SinkConfig:
         sharding: Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         calls: int | None = None,
+        stop_if_nonfinite: Watch = None,
+        progress: progress_hook.Hook | None = None,
+        progress_every: int = 100,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
@@ -147,6 +155,8 @@ class SinkConfig:
                 f"calls must be an int >= 1 (the calls this sink will make) or None (as many "
                 f"as you like), got {calls!r}."
             )
+        watcher(stop_if_nonfinite)  # a TypeError naming the forms it takes
+        progress_hook.check(progress, progress_every)
         return cls(
             sink_size=int(sink_size),
             jit=bool(jit),
@@ -159,6 +169,9 @@ class SinkConfig:
             ),
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
             calls=None if calls is None else int(calls),
+            stop_if_nonfinite=stop_if_nonfinite or None,
+            progress=progress,
+            progress_every=int(progress_every),
         )
 
     def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:

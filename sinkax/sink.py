@@ -33,6 +33,7 @@ from sinkax.channel.plan import chunk_steps
 from sinkax.channel.source import as_source
 from sinkax.config import SinkConfig
 from sinkax.errors import SinkClosedError
+from sinkax.execution import guard
 from sinkax.execution.executor import NO_STATE, Executor, recorded_strategy
 from sinkax.pytree import concat_trees, copy_tree
 
@@ -117,6 +118,7 @@ class Sink:
             source.close()
             raise
         self._running = self._closed = False
+        self.nonfinite: guard.NonFinite | None = None  # where the last call stopped, if it did
 
     def __call__(self, state: Any = NO_STATE) -> Any:
         """Run ``sink_size`` steps; ``sink(state)`` gives ``(state, outs)``, ``sink()`` ``outs``.
@@ -133,6 +135,8 @@ class Sink:
             raise RuntimeError(_BUSY)
         self._running = True
         cursor, executor, parts = self._cursor, self._executor, []
+        stopped: Any = None  # stop_if_nonfinite: the output of the step not kept
+        self.nonfinite = None
         try:
             self._check_open()
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
@@ -149,11 +153,18 @@ class Sink:
                         carry = copy_tree(carry)
                 carry, outs = executor.run(carry, data, offset, piece.steps)
                 del data  # the next piece may free its slot: hold no reference past it
+                outs, kept = executor.checked(carry, outs, piece.steps)
+                if kept < piece.steps:  # stop_if_nonfinite: a step was not finite
+                    outs, stopped = guard.split(outs, kept)
                 parts.append(outs)  # from here on, an interrupted call has consumed data
-                cursor.ran(piece, (carry, outs))
-                if piece.ends_call:
+                cursor.ran(piece, (carry, outs), kept)
+                if piece.ends_call or stopped is not None:
                     break
             outs = parts[0] if len(parts) == 1 else concat_trees(parts)
+            if stopped is not None:  # the next call starts at the batch not kept
+                kept = cursor.call_steps
+                cursor.stop()
+                self.nonfinite = guard.NonFinite(cursor.epoch, cursor.step, kept, stopped)
             # Every step has run: from here to the return a Ctrl-C is held, whatever the path,
             # so that the results and the new data position reach the caller together (this
             # also drops the guarded state, so that its arrays are freed here, while held).
@@ -170,9 +181,12 @@ class Sink:
             handoff.failed()
             raise
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
-        cursor.commit(piece)
+        if stopped is None:
+            cursor.commit(piece)
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
+        if executor.progress:  # the steps no device report covered
+            executor.progress.call_ended(outs)
         return (returned, outs) if state is not NO_STATE else outs
 
     def data_state(self) -> dict[str, Any]:

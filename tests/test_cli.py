@@ -6,9 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import default_backend
 
 from sinkax.backend import available
 from sinkax.cli import main
+from sinkax.train import ProgressBar
 
 LOSS_LINE = re.compile(r"^epoch: \d+ step: \d+, loss is [-0-9.e]+$")
 TIME_LINE = re.compile(r"^epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms$")
@@ -32,6 +34,16 @@ def test_train_prints_losses_times_and_accuracy(capsys, mode):
     strategy = r"(scan|loop|auto \(measuring\))" if mode[0] == "--sink-size" else r"none"
     summary = rf"^sinkax train: accuracy 0\.\d{{4}}, wall time [\d.]+ s, sink strategy {strategy}"
     assert re.match(summary, out[-1]), out[-1]
+
+
+def test_train_shows_progress_from_inside_each_sink(capsys, monkeypatch):
+    pytest.importorskip("mlxtend")
+    advanced = []
+    monkeypatch.setattr(ProgressBar, "_advance", lambda self, n, out: advanced.append(n))
+    monkeypatch.setenv("SINKAX_STRATEGY", "scan")  # "loop" would report per sink
+    assert main(["train", "--epochs", "1", "--sink-size", "25", "--progress", "10"]) == 0
+    in_sink = [10, 10, 5] if default_backend().python_callbacks else [25]
+    assert sorted(advanced) == sorted(in_sink)
 
 
 def test_python_dash_m_and_bad_options():

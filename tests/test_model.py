@@ -386,7 +386,7 @@ def test_bad_epoch_counts(epoch, initial_epoch, match):
 
 
 # -- NaN -------------------------------------------------------------------------------------
-def test_terminate_on_nan_stops_after_the_sink():
+def test_terminate_on_nan_stops_at_the_nonfinite_step_with_the_state_before_it():
     data = blobs(10)
     poisoned = [
         *data[:5],
@@ -394,32 +394,33 @@ def test_terminate_on_nan_stops_after_the_sink():
         *data[6:],
     ]
     stop, recorder = TerminateOnNaN(), Recorder()
-    guarded = optax.apply_if_finite(OPTIMIZER, max_consecutive_errors=5)
-    model = Model(linear, init_params(), cross_entropy, guarded, **SCAN)
+    model = Model(linear, init_params(), cross_entropy, OPTIMIZER, **SCAN)
     run = model.train(5, poisoned, callbacks=[stop, recorder], sink_size=4)
-    assert stop.stopped_at == (2, 4) and run.stop_requested  # step 6 is in the second sink
-    assert run.step == 8 and recorder.count("epoch_begin") == 2
-    assert recorder.events[-1] == ("train_end", 2, 8)
-    # apply_if_finite skipped the NaN update: the same params as skipping that batch.
-    skipped, _ = reference([*data[:5], *data[6:8]], 7)
-    assert_trees_close(model.state.params, skipped.params, rtol=1e-5, atol=1e-6)
+    assert stop.stopped_at == (2, 2) and run.stop_requested  # step 6 is the second sink's 2nd
+    assert (stop.batch.epoch, stop.batch.step) == (0, 5)  # its data position: batch 5
+    assert run.data_state()["step"] == 5  # a resume reads that batch next
+    assert run.step == 5 and recorder.count("epoch_begin") == 2
+    assert recorder.count("epoch_end") == 1  # the epoch cut short does not end
+    assert recorder.events[-2:] == [("step_end", 2, 1, 1), ("train_end", 2, 5)]
+    kept, _ = reference(data[:5], 5)  # the NaN step's update was not kept
+    assert_trees_close(model.state.params, kept.params, rtol=1e-5, atol=1e-6)
 
 
-def test_without_a_guard_the_nan_reaches_the_params_and_training_stops():
+def test_without_a_sink_the_nan_step_runs_and_training_stops_after_it():
     data = blobs(10)
     poisoned = [*data[:1], {"image": data[1]["image"] * np.nan, "label": data[1]["label"]}]
     stop = TerminateOnNaN()
     model = new_model(**SCAN)
-    model.train(3, [*poisoned, *data[2:]], callbacks=stop, sink_size=4)
-    assert stop.stopped_at == (1, 4)
+    model.train(3, [*poisoned, *data[2:]], callbacks=stop, dataset_sink_mode=False)
+    assert stop.stopped_at == (1, 2) and stop.batch is None
     assert not np.all(np.isfinite(jax.tree.leaves(model.state.params)[0]))
 
 
-@pytest.mark.parametrize("save_every_epochs", [2, 1], ids=["nan-epoch-unsaved", "nan-epoch-ends"])
-def test_a_run_stopped_for_nan_keeps_its_last_good_checkpoint(tmp_path, save_every_epochs):
+@pytest.mark.parametrize("terminate", [True, False], ids=["terminate-on-nan", "train-on"])
+def test_a_run_with_nan_keeps_its_last_good_checkpoint(tmp_path, terminate):
     data = blobs(4)
     poisoned = [{"image": b["image"] * np.nan, "label": b["label"]} for b in data]
-    epochs = iter([data, data, poisoned, data, data, data])  # epoch 3 gives NaN
+    epochs = iter([data, data, *[poisoned] * 8])  # NaN from epoch 3 on, also when read again
 
     class ThirdEpochNaN:
         def __len__(self):
@@ -428,13 +429,15 @@ def test_a_run_stopped_for_nan_keeps_its_last_good_checkpoint(tmp_path, save_eve
         def __iter__(self):
             return iter(next(epochs))
 
-    # every epoch: the NaN sink finishes epoch 3, whose end must not save it (nor delete 8)
-    checkpoint = ModelCheckpoint(tmp_path, keep_last=1, save_every_epochs=save_every_epochs)
+    # TerminateOnNaN stops epoch 3 at its first step (no epoch end, nothing saved); training on,
+    # the epochs' NaN ends must not be saved (nor delete 8)
+    checkpoint = ModelCheckpoint(tmp_path, keep_last=1)
+    callbacks = [TerminateOnNaN(), checkpoint] if terminate else [checkpoint]
     warns = pytest.warns(RuntimeWarning, match="not finite")
-    with warns if save_every_epochs == 1 else contextlib.nullcontext():
-        run = new_model().train(6, ThirdEpochNaN(), [TerminateOnNaN(), checkpoint])
-    assert run.stop_requested and run.epoch == 3
-    assert sorted(os.listdir(tmp_path)) == ["8"]  # epoch 2's, not the NaN state of epoch 3
+    with contextlib.nullcontext() if terminate else warns:
+        run = new_model().train(6, ThirdEpochNaN(), callbacks)
+    assert run.stop_requested == terminate and run.epoch == (3 if terminate else 6)
+    assert sorted(os.listdir(tmp_path)) == ["8"]  # epoch 2's, not a NaN state
     restored = new_model()
     assert restored.restore(tmp_path)["epoch"] == 2
     assert np.all(np.isfinite(restored.params["w"]))

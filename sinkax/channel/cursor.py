@@ -76,6 +76,7 @@ class Cursor:
         self.steps = self.calls = 0
         self.data_wait_s = self.busy_s = 0.0
         self._call_started = (0.0, 0.0)  # the clock and the data wait at the call's start
+        self._call_steps = 0  # the steps this call kept so far
         self._start_ring()
 
     # -- where the data stands -----------------------------------------------------------
@@ -93,6 +94,11 @@ class Cursor:
     def epoch_length(self) -> int | None:
         """Batches per epoch, when the dataset's length is known."""
         return self._source.epoch_length
+
+    @property
+    def call_steps(self) -> int:
+        """Steps the current (or last) call kept."""
+        return self._call_steps
 
     @property
     def ring(self) -> DeviceRing:
@@ -132,6 +138,7 @@ class Cursor:
     def begin(self) -> None:
         """A call starts (its time, less its wait for data, is the sink's busy time)."""
         self._call_started = (time.perf_counter(), self.data_wait_s)
+        self._call_steps = 0
 
     def next_piece(
         self, agree: Callable[[Callable[[], Chunk]], Chunk] = _now
@@ -144,23 +151,53 @@ class Cursor:
         chunk = agree(self._current_chunk)
         return chunk.data, chunk.pieces[self._piece], self._offset
 
-    def ran(self, piece: Piece, in_flight: Any) -> None:
-        """``piece`` was dispatched; ``in_flight`` are its results (its chunk's slot is freed
-        once they are computed)."""
+    def ran(self, piece: Piece, in_flight: Any, steps: int | None = None) -> None:
+        """``piece`` was dispatched, and the first ``steps`` of its batches (default: all) were
+        kept; ``in_flight`` are its results (its chunk's slot is freed once they are
+        computed)."""
+        steps = piece.steps if steps is None else steps
         self._in_flight = in_flight
         self._piece += 1
         self._offset += piece.steps
-        self.steps += piece.steps
+        self.steps += steps
+        self._call_steps += steps
 
     def commit(self, piece: Piece) -> None:
         """The call that ended with ``piece`` delivers its results: its position is committed."""
-        started, waited = self._call_started
-        self.busy_s += time.perf_counter() - started - (self.data_wait_s - waited)
+        self._count_call()
         self._committed = {
             "epoch": piece.position.epoch,
             "step": piece.position.step,
             "source": piece.source_state,
         }
+
+    def stop(self) -> None:
+        """The call ends early, its results delivered: commit the position after the batches it
+        kept (see :meth:`ran`), the first it did not, and read ahead from there again.
+
+        The source is moved to the call's start and read up to that batch (a grain
+        ``MapDataset`` reads those elements again; see :mod:`sinkax.channel.source`).
+        ``SinkTimeoutError`` if the producer does not stop (the next call then rewinds to the
+        call's start).
+        """
+        start, kept = self._committed, self._call_steps
+        self._resync = True  # until a producer runs from the new position
+        if not self._stop_ring():
+            raise SinkTimeoutError(
+                self._stuck_producer("a stop at a non-finite step")
+                + " Call again once it has returned (the call's batches are read again)."
+            )
+        move_to(self._source, start)
+        for _ in range(kept):
+            next(self._source)
+        self._count_call()
+        self._committed = snapshot(self._source)
+        self._start_ring()
+        self._resync = False
+
+    def _count_call(self) -> None:
+        started, waited = self._call_started
+        self.busy_s += time.perf_counter() - started - (self.data_wait_s - waited)
         self.calls += 1
 
     def failed(self, consumed: bool) -> None:

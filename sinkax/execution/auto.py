@@ -78,6 +78,9 @@ class Auto:
     def dispatches(self, steps: int) -> int:
         return self._ran.dispatches(steps)
 
+    def reported(self, steps: int) -> int:
+        return self._ran.reported(steps)
+
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         if self._key is None:
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)

@@ -155,13 +155,18 @@ def kind(name: str) -> type[Strategy] | type[Auto]:
     return {"eager": Eager, "auto": Auto, "step": Step, "scan": Scan, "loop": Loop}[name]
 
 
-def make(name: str, fn: StepFn, compiler: Compiler, batches_alike: bool = True) -> Strategy | Auto:
+def make(
+    name: str, fn: StepFn, compiler: Compiler, batches_alike: bool = True, report: Any = None
+) -> Strategy | Auto:
     """The strategy called ``name``, as :func:`resolve` gave it (``batches_alike``: see
-    :class:`~sinkax.execution.single.Step`)."""
+    :class:`~sinkax.execution.single.Step`; ``report``: how ``"scan"`` reports progress, see
+    :mod:`sinkax.execution.progress`)."""
     if name == "auto":
-        return Auto([Scan(fn, compiler), Loop(fn, compiler)], compiler)
+        return Auto([Scan(fn, compiler, report), Loop(fn, compiler)], compiler)
     if name == "eager":
         return Eager(fn)
     if name == "step":
         return Step(fn, compiler, batches_alike)
+    if name == "scan":
+        return Scan(fn, compiler, report)
     return kind(name)(fn, compiler)

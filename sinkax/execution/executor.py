@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from sinkax import placement
 from sinkax.backend import backend_of
@@ -31,6 +32,8 @@ from sinkax.config import SinkConfig
 from sinkax.execution import choice as strategies
 from sinkax.execution.auto import Auto
 from sinkax.execution.compiler import Compiler
+from sinkax.execution.guard import guarded, watcher
+from sinkax.execution.progress import Progress
 from sinkax.execution.stepfn import carry_dtypes, check_step_form, stateless, with_static
 from sinkax.execution.windowed import scan_window
 from sinkax.pytree import Static, check_alive, layout, partition
@@ -83,6 +86,12 @@ class Executor:
         self._static: Static | None = None  # the state's non-array leaves, from the first call
         self._returned: Any = None  # the state the last call returned (its array part)
         self._handed_back: Any = (None, None)  # the last returned state, and its array part
+        self._watch = watcher(config.stop_if_nonfinite)  # None: the plain step
+        self._carry: Any = None  # guarded: the last call's carry, its `ok` flag included
+        self._stopped = False  # guarded: this call stopped at a non-finite step
+        self.progress = config.progress and Progress(
+            config.progress, config.progress_every, backend_of(config.sharding)
+        )
 
     @property
     def feed(self) -> str:
@@ -154,7 +163,11 @@ class Executor:
                 fn = with_static(fn, static)
                 self.compiler.specialise(static.key)
             self._step = fn
-            self._strategy = strategies.make(self.chosen, fn, self.compiler)
+            if self._watch is not None:  # its executables are not the plain step's
+                fn = guarded(fn, self._watch)
+                self.compiler.specialise(("stop_if_nonfinite", self._watch))
+            report = self.progress.report if self.progress else None
+            self._strategy = strategies.make(self.chosen, fn, self.compiler, report=report)
             if self._reselect:
                 self._strategy.reselect()
         elif self._stateful != stateful:
@@ -177,9 +190,20 @@ class Executor:
         return partition(state)
 
     def place(self, state: Any, batch_spec: Callable[[], BatchSpec]) -> Any:
-        """``state`` on the sink's devices, its weakly typed leaves (Python numbers) given the
-        dtypes the step returns them with (see :func:`~sinkax.execution.stepfn.carry_dtypes`; the
-        batch layout from ``batch_spec()``); free for the state the last call returned."""
+        """The carry of a call from ``state``: ``state`` on the sink's devices, its weakly typed
+        leaves (Python numbers) given the dtypes the step returns them with (see
+        :func:`~sinkax.execution.stepfn.carry_dtypes`; the batch layout from ``batch_spec()``);
+        free for the state the last call returned. Guarded (``stop_if_nonfinite``), with the
+        ``ok`` flag: the last call's, or else a new one."""
+        placed = self._place(state, batch_spec)
+        if self._watch is None:
+            return placed
+        if self._carry is not None and (placed is self._returned or not self._stateful):
+            return self._carry
+        ok = placement.put(np.True_, placement.replicated(self._sharding))
+        return (placed, ok)
+
+    def _place(self, state: Any, batch_spec: Callable[[], BatchSpec]) -> Any:
         if state is self._returned or not self._stateful:
             return state
         check_alive(state)
@@ -202,11 +226,28 @@ class Executor:
         ``carry`` is donated."""
         result = self._strategy.run(carry, data, offset, steps)
         self.dispatches += self._strategy.dispatches(steps)
+        if self.progress:
+            self.progress.ran(steps, getattr(self._strategy, "reported", lambda _: 0)(steps))
         return result
+
+    def checked(self, carry: Any, outs: Any, steps: int) -> tuple[Any, int]:
+        """A window's ``outs`` and the steps of its ``steps`` that ran: all, unless guarded
+        (``stop_if_nonfinite``) and a step was not finite -- which this waits for the window to
+        tell, reading its flag."""
+        if self._watch is None:
+            return outs, steps
+        outs, flags = outs
+        if bool(carry[1]):
+            return outs, steps
+        self._stopped = True  # the next call starts with a new flag
+        return outs, int(np.sum(flags))
 
     def returned(self, carry: Any, static: Static | None) -> Any:
         """The state a call hands back for its final ``carry`` (non-array leaves put back);
         frees the last call's state."""
+        if self._watch is not None:
+            self._carry, self._stopped = (None if self._stopped else carry), False
+            carry = carry[0]
         self._returned = carry
         returned = carry if static is None else static.combine(carry)
         self._handed_back = (returned, carry)

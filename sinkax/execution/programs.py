@@ -61,6 +61,34 @@ def scan_program(fn: StepFn, steps: int) -> Callable[..., tuple[Any, Any, jax.Ar
     return run
 
 
+def reporting_scan_program(
+    fn: StepFn, steps: int, every: int, report: Callable[[Any], None]
+) -> Callable[..., tuple[Any, Any, jax.Array]]:
+    """:func:`scan_program` that calls ``report(out)`` on the host (``jax.debug.callback``)
+    with the output of every ``every``-th step of the window, while the window runs: a loop of
+    ``steps // every`` blocks of ``every`` steps, each block reporting its last step, then the
+    ``steps % every`` steps left, unreported. No branch: every trip count is known."""
+    blocks, rest = divmod(steps, every)
+
+    def run(state: Any, chunk: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
+        def block(carry: tuple[Any, jax.Array], _: None) -> tuple[tuple[Any, jax.Array], Any]:
+            state, outs, i = scan_program(fn, every)(*carry[:1], chunk, carry[1])
+            jax.debug.callback(report, jax.tree.map(lambda o: o[-1], outs))
+            return (state, i), outs
+
+        parts = []
+        if blocks:
+            (state, i), outs = lax.scan(block, (state, i), None, length=blocks)
+            parts.append(jax.tree.map(lambda o: o.reshape(blocks * every, *o.shape[2:]), outs))
+        if rest:
+            state, outs, i = scan_program(fn, rest)(state, chunk, i)
+            parts.append(outs)
+        outs = parts[0] if len(parts) == 1 else jax.tree.map(lambda *o: jnp.concatenate(o), *parts)
+        return state, outs, i
+
+    return run
+
+
 def out_shape(fn: StepFn, state: Any, chunk: Any) -> Any:
     """The abstract output of one step of ``fn`` on a batch of ``chunk``."""
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)

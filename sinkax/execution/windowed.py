@@ -26,6 +26,7 @@ from sinkax.execution.compiler import Compiler
 from sinkax.execution.programs import (
     StepFn,
     out_shape,
+    reporting_scan_program,
     scan_program,
     start_program,
     step_program,
@@ -84,6 +85,11 @@ class Windowed(abc.ABC):
     def dispatches(self, steps: int) -> int:
         """Executables dispatched to run a window of ``steps``."""
 
+    def reported(self, steps: int) -> int:
+        """Steps of a window of ``steps`` that it reports from the device (see
+        :mod:`sinkax.execution.progress`): none."""
+        return 0
+
     @abc.abstractmethod
     def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
         """What runs a window of ``steps`` for these layouts, compiled; runs nothing."""
@@ -129,14 +135,26 @@ class Scan(Windowed):
 
     name = "scan"
 
+    def __init__(self, fn: StepFn, compiler: Compiler, report: Any = None):
+        super().__init__(fn, compiler)
+        self._report = report  # (key, every, callback): see sinkax.execution.progress
+
     def dispatches(self, steps: int) -> int:
         return 1
 
+    def reported(self, steps: int) -> int:
+        """Steps of a window of ``steps`` that it reports from the device."""
+        return 0 if self._report is None else steps - steps % self._report[1]
+
     def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
         def program() -> Any:
-            return scan_window(self._fn, backend_of(chunk_sharding(chunk)), steps)
+            backend = backend_of(chunk_sharding(chunk))
+            if self._report is None:
+                return scan_window(self._fn, backend, steps)
+            return reporting_scan_program(loop_body(self._fn, backend), steps, *self._report[1:])
 
-        return self._compiler.get("scan", steps, program, state, chunk, start)
+        kind = "scan" if self._report is None else ("scan", *self._report[:2])
+        return self._compiler.get(kind, steps, program, state, chunk, start)
 
     def launch(
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int

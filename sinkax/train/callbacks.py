@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
+    from sinkax.execution.guard import NonFinite
     from sinkax.sink import SinkStats
     from sinkax.train.helper import DatasetHelper
     from sinkax.train.model import Model
@@ -49,6 +50,7 @@ class RunContext:
     step_in_epoch: int = 0
     outputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict, repr=False)
     stop_requested: bool = False
+    nonfinite: NonFinite | None = None  # where the last sink stopped (stop_if_nonfinite)
 
     @property
     def losses(self) -> np.ndarray:
@@ -84,6 +86,11 @@ class Callback:
 
     def __enter__(self) -> Callback:
         return self
+
+    def sink_options(self) -> dict[str, Any]:
+        """:func:`sinkax.data_sink` options this callback needs of the training sink (a
+        ``Model``'s own ``sink_options`` take precedence)."""
+        return {}
 
     def __exit__(self, *exc: object) -> None:
         """After the run, also one that raised; after ``on_train_end`` if that ran."""
@@ -192,11 +199,16 @@ class History(Callback):
 
 
 class TerminateOnNaN(Callback):
-    """Stops training at the end of the first sink that had a non-finite loss.
+    """Stops training at the first step whose loss is not finite, keeping the state from before it.
 
-    The check runs on the device over the whole sink (the train step's ``finite`` flags); the
-    host reads one bool per sink. The rest of that sink has run; to keep the params finite
-    through it (non-finite updates skipped), give the model ``optax.apply_if_finite(opt, n)``.
+    In sink mode the training sink checks every step on the device
+    (``stop_if_nonfinite="loss"``, see :mod:`sinkax.execution.guard`): the sink returns at the
+    first non-finite step without its update, and the data position is *at* that batch, so a
+    checkpoint holds finite params and a resume reads that batch next. The epoch it cuts short
+    does not end (``on_epoch_end`` does not run). ``stopped_at`` is ``(epoch, step)`` of the
+    non-finite step (both from 1, as printed) and ``batch`` its data position
+    (:class:`~sinkax.execution.guard.NonFinite`). In non-sink mode the step's ``finite`` flag is
+    read after it ran: its update is kept (``batch`` stays ``None``).
 
     >>> TerminateOnNaN().stopped_at is None
     True
@@ -204,40 +216,68 @@ class TerminateOnNaN(Callback):
 
     def __init__(self) -> None:
         self.stopped_at: tuple[int, int] | None = None
+        self.batch: NonFinite | None = None
+
+    def sink_options(self) -> dict[str, Any]:
+        return {"stop_if_nonfinite": "loss"}
 
     def on_step_end(self, run: RunContext) -> None:
-        if not bool(jnp.all(run.outputs["finite"])):
-            self.stopped_at = (run.epoch, run.step_in_epoch)
-            print(
-                f"epoch: {run.epoch} step: {run.step_in_epoch}, non-finite loss in "
-                "this sink: terminating training.",
-                flush=True,
-            )
-            run.request_stop()
+        if run.nonfinite is not None:
+            self.stopped_at, self.batch = (run.epoch, run.step_in_epoch + 1), run.nonfinite
+            where = f", batch at data epoch {self.batch.epoch}, step {self.batch.step}"
+        elif not bool(jnp.all(run.outputs["finite"])):
+            self.stopped_at, where = (run.epoch, run.step_in_epoch), ""
+        else:
+            return
+        print(
+            f"epoch: {self.stopped_at[0]} step: {self.stopped_at[1]}, non-finite loss{where}: "
+            "terminating training.",
+            flush=True,
+        )
+        run.request_stop()
 
 
 class ProgressBar(Callback):
-    """A ``tqdm`` bar over all steps of the run, advanced by each sink's steps.
+    """A ``tqdm`` bar over all steps of the run, advanced while each sink runs.
 
-    A text bar, in a notebook too: a widget bar's saved output is its text when first shown
-    (``0%``), where a text bar's reads as it ended.
+    In sink mode the training sink reports every ``every``-th step from the device as it runs
+    (``progress=``, see :mod:`sinkax.execution.progress`), with that step's loss; where the
+    device runs no host callbacks (the emulated device) it reports once per sink. In non-sink
+    mode the bar advances after every step. A text bar, in a notebook too: a widget bar's saved
+    output is its text when first shown (``0%``), where a text bar's reads as it ended.
 
     >>> ProgressBar().bar is None
     True
     """
 
-    def __init__(self, **tqdm_options: Any):
+    def __init__(self, every: int = 100, **tqdm_options: Any):
+        self.every = _check_positive("every", every)
         self.tqdm_options = tqdm_options
         self.bar: Any = None
+        self._epoch = 0
+
+    def sink_options(self) -> dict[str, Any]:
+        return {"progress": self._advance, "progress_every": self.every}
 
     def on_train_begin(self, run: RunContext) -> None:
         tqdm = _optional("tqdm.std", "ProgressBar").tqdm
         total = (run.epochs - run.initial_epoch) * (run.steps_per_epoch or 0) or None
         self.bar = tqdm(total=total, unit="step", **self.tqdm_options)
 
+    def on_epoch_begin(self, run: RunContext) -> None:
+        self._epoch = run.epoch
+
+    def _advance(self, steps: int, out: Any) -> None:
+        """The sink's progress hook: ``steps`` more done, ``out`` the latest one's output."""
+        self.bar.update(steps)
+        self.bar.set_postfix(epoch=self._epoch, loss=f"{float(out['loss']):.4f}")
+
     def on_step_end(self, run: RunContext) -> None:
-        self.bar.update(len(run.losses))
-        self.bar.set_postfix(epoch=run.epoch, loss=f"{float(run.losses[-1]):.4f}")
+        if not run.helper.dataset_sink_mode:  # no sink: one step, reported here
+            self._advance(len(run.losses), {"loss": run.losses[-1]})
+
+    def on_train_end(self, run: RunContext) -> None:
+        jax.effects_barrier()  # the device's last reports reach the bar before it closes
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:

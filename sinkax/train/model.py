@@ -195,13 +195,14 @@ class Model:
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
         callbacks = list(callbacks or [])
+        wanted = {key: v for callback in callbacks for key, v in callback.sink_options().items()}
         helper = DatasetHelper(
             train_dataset,
             dataset_sink_mode,
             sink_size,
             epoch_num=epoch - initial_epoch,
             data_state=data_state,
-            **self.sink_options,
+            **{**wanted, **self.sink_options},
         )
         # The sinks donate the state: they get a copy, so that arrays taken from it before (the
         # params given to Model, model.params) stay valid.
@@ -228,7 +229,9 @@ class Model:
                 for _ in helper:
                     self.state, run.outputs = net(self.state)
                     steps = len(run.outputs["loss"])
-                    run.state, run.step, done = self.state, run.step + steps, done + 1
+                    run.nonfinite = getattr(net, "nonfinite", None)  # a sink cut short
+                    run.state, run.step = self.state, run.step + steps
+                    done += run.nonfinite is None
                     run.step_in_epoch += steps
                     _notify(callbacks, "on_step_end", run)
                     if run.stop_requested:

@@ -1,0 +1,120 @@
+"""Stopping at the first non-finite step (``data_sink(..., stop_if_nonfinite=...)``).
+
+The step function is *guarded*: its carry gains a device flag ``ok``, and each step
+
+* checks the leaves it watches of its output (every floating leaf, the entry a name picks, or
+  what a function returns) for NaN and infinity;
+* keeps the state from before the step once a step was not finite (a select per state leaf,
+  which XLA fuses into the update), for this step and every later step of the window, whose
+  results are discarded: no device branch, which a GPU would decide on the host each step;
+* adds the flag to its output, so that the host learns how many steps ran.
+
+A window's host reads the final flag (one scalar, so it waits for the window); only after a
+stop does it count the steps that ran. Nothing of this runs unless asked for: an unguarded sink
+compiles the plain step.
+
+>>> import jax.numpy as jnp
+>>> step = guarded(lambda s, b: (s + b, s + b), watcher(True))
+>>> (state, ok), (out, flag) = step((jnp.float32(1), jnp.bool_(True)), jnp.float32(jnp.nan))
+>>> float(state), bool(ok), bool(flag)
+(1.0, False, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sinkax.execution.programs import StepFn
+
+Watch = bool | str | Callable[[Any], Any] | None
+
+
+def watcher(watch: Watch) -> Callable[[Any], Any] | None:
+    """What a step's output is checked by, for ``stop_if_nonfinite=watch``: ``None`` (off),
+    ``True`` (every floating leaf of the output), an entry's name (``"loss"``: ``out[name]``)
+    or a function of the output; ``TypeError`` otherwise."""
+    if watch is None or watch is False:
+        return None
+    if watch is True:
+        return lambda out: out
+    if isinstance(watch, str):
+        return entry_of(watch)
+    if callable(watch):
+        return watch
+    raise TypeError(
+        "stop_if_nonfinite must be True (check every floating leaf of a step's output), the "
+        "name of an entry of the output (e.g. 'loss'), a function of the output returning the "
+        f"arrays to check, or False/None (off); got {type(watch).__name__}."
+    )
+
+
+def entry_of(name: str) -> Callable[[Any], Any]:
+    """``out -> out[name]``, with an error naming the entries when ``out`` has none such."""
+
+    def entry(out: Any) -> Any:
+        try:
+            return out[name]
+        except (KeyError, TypeError, IndexError):
+            keys = list(out) if isinstance(out, dict) else type(out).__name__
+            raise KeyError(
+                f"stop_if_nonfinite={name!r} names an entry of the step's output, which has "
+                f"none such (it has {keys}). Name one of them, or pass True to check every "
+                "floating leaf."
+            ) from None
+
+    return entry
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating leaf of ``tree`` is finite (``True`` if it has none)."""
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+
+
+def guarded(fn: StepFn, watch: Callable[[Any], Any]) -> StepFn:
+    """``((state, ok), batch) -> ((state, ok), (out, ok))``: ``fn`` that, from the first step
+    whose watched output is not finite on, keeps its state and lowers ``ok``."""
+
+    def step(carry: tuple[Any, jax.Array], batch: Any) -> tuple[Any, Any]:
+        state, ok = carry
+        new, out = fn(state, batch)
+        ok = ok & all_finite(watch(out))
+        state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        return (state, ok), (out, ok)
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """Where a call stopped: the step at ``epoch``/``step`` (the data position the sink reports
+    after the call: the batch is the next one it reads) was not finite; ``step_in_call`` steps
+    of the call ran before it; ``out`` is that step's output (on the device), whose update was
+    not kept."""
+
+    epoch: int
+    step: int
+    step_in_call: int
+    out: Any = dataclasses.field(repr=False)
+
+    def __str__(self) -> str:
+        return (
+            f"a non-finite step at epoch {self.epoch}, step {self.step} (step {self.step_in_call}"
+            " of the call): its update and the rest of the call were not kept"
+        )
+
+
+def split(outs: Any, ran: int) -> tuple[Any, Any]:
+    """A window's stacked outputs cut after the ``ran`` steps that were kept, and the output of
+    the step that was not."""
+    kept = jax.tree.map(lambda x: x[:ran], outs)
+    return kept, jax.tree.map(lambda x: x[ran], outs)

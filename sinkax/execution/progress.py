@@ -1,0 +1,87 @@
+"""Progress from inside a call (``data_sink(..., progress=hook, progress_every=k)``).
+
+``hook(steps, out)`` is told that ``steps`` more steps are done, ``out`` being the output of the
+latest of them. Where the platform runs Python host callbacks (CPU, GPU) a ``"scan"`` window
+reports every ``k``-th step from the device while it runs, asynchronously
+(:func:`~sinkax.execution.programs.reporting_scan_program`); the steps no device report covers
+-- a window's last ``steps % k``, every step of another strategy (``"loop"``, ``"step"``,
+eager) or of a platform without host callbacks (the emulated device: a warning says so) -- are
+reported from the host when the call returns. So the reports add up to every step the sink ran;
+the host's may come before the device's of the same call. Off (the default), the sink compiles
+its plain programs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from sinkax.backend import Backend
+from sinkax.errors import warn
+
+Hook = Callable[[int, Any], None]
+
+_live: weakref.WeakValueDictionary[int, Progress] = weakref.WeakValueDictionary()
+_tokens = itertools.count()
+
+_NO_CALLBACKS = (
+    "This sink's device ({platform}) runs no Python host callbacks, so progress= cannot report "
+    "from inside a call: it reports once per call, when the call returns. For progress within "
+    "a call, run on CPU or GPU, or use smaller sink sizes."
+)
+
+
+def check(hook: Any, every: Any) -> None:
+    """``TypeError``/``ValueError`` naming a bad ``progress``/``progress_every``."""
+    if hook is not None and not callable(hook):
+        raise TypeError(
+            "progress must be a function hook(steps, out), told that `steps` more steps are "
+            f"done and given the latest one's output, or None; got {type(hook).__name__}."
+        )
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+        raise ValueError(f"progress_every must be an int >= 1 (steps per report), got {every!r}.")
+
+
+def _report(token: int, every: int, out: Any) -> None:
+    """A device report, run by ``jax.debug.callback``: to the sink's hook while it lives (the
+    compiled programs hold no reference to it)."""
+    progress = _live.get(token)
+    if progress is not None:
+        progress.hook(every, out)
+
+
+class Progress:
+    """A sink's progress hook (see the module docstring), on ``backend``."""
+
+    def __init__(self, hook: Hook, every: int, backend: Backend):
+        self.hook, self.every = hook, int(every)
+        self.on_device = backend.python_callbacks
+        if not self.on_device:
+            warn(_NO_CALLBACKS.format(platform=backend.platform), RuntimeWarning)
+        self._token = next(_tokens)
+        _live[self._token] = self
+        self._unreported = 0
+
+    @property
+    def report(self) -> tuple[Any, int, Callable[[Any], None]] | None:
+        """What a ``"scan"`` window reports through: ``(cache key, every, callback)``, or
+        ``None`` where the device cannot call the host."""
+        if not self.on_device:
+            return None
+        callback = lambda out, token=self._token, every=self.every: _report(token, every, out)  # noqa: E731
+        return ("progress", self._token), self.every, callback
+
+    def ran(self, steps: int, reported: int) -> None:
+        """A window of ``steps`` ran, ``reported`` of them reported from the device."""
+        self._unreported += steps - reported
+
+    def call_ended(self, outs: Any) -> None:
+        """Report the call's steps that no device report covered, with its last output."""
+        steps, self._unreported = self._unreported, 0
+        if steps and len(jax.tree.leaves(outs)[0]):  # none if a stop kept no step
+            self.hook(steps, jax.tree.map(lambda o: o[-1], outs))

@@ -1,0 +1,120 @@
+"""``stop_if_nonfinite``: a sink stops at the first non-finite step, exactly there."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import indexed_map_dataset
+
+import sinkax
+
+
+def poisoned_at(bad_index):
+    """A step summing the batches' first sample indices, not finite on the batch holding
+    sample ``bad_index``; outputs ``{"loss", "index"}``."""
+
+    def step(total, batch):
+        bad = jnp.any(batch["index"] == bad_index)
+        total = total + batch["index"][0].astype(jnp.float32)
+        return total, {"loss": jnp.where(bad, jnp.nan, total), "index": batch["index"]}
+
+    return step
+
+
+def samples_of(dataset, steps):
+    """The sample indices of the first ``steps`` batches the sinks read of ``dataset``."""
+    with sinkax.data_sink(lambda b: b["index"], dataset, steps) as sink:
+        return np.asarray(sink()).tolist()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("scan", {}), ("loop", {}), ("scan", {"jit": False}), ("scan", {"max_chunk_bytes": 1})],
+    ids=["scan", "loop", "eager", "one-batch-chunks"],
+)
+def test_a_call_stops_at_the_first_nonfinite_step_with_the_state_before_it(strategy, options):
+    dataset = indexed_map_dataset(40, 2)  # 20 batches, reshuffled
+    batches = samples_of(dataset, 20)
+    bad = batches[6][0]  # the 7th batch: the second call's 3rd step
+    step = poisoned_at(bad)
+    with sinkax.data_sink(
+        step, dataset, 4, strategy=strategy, stop_if_nonfinite="loss", **options
+    ) as sink:
+        total, _ = sink(jnp.float32(0))
+        assert sink.nonfinite is None and sink.data_state()["step"] == 4
+        total, second = sink(total)
+        stop = sink.nonfinite
+        assert (stop.epoch, stop.step, stop.step_in_call) == (0, 6, 2)
+        assert (sink.epoch, sink.step) == (0, 6)  # the data position is *at* the bad batch
+        assert second["index"].tolist() == batches[4:6]  # the kept steps' outputs only
+        assert np.isnan(stop.out["loss"]) and stop.out["index"].tolist() == batches[6]
+        assert float(total) == sum(b[0] for b in batches[:6])  # without the bad step
+        assert sink.stats.steps == 6 and sink.stats.calls == 2
+        total, third = sink(total)  # the next call starts at that batch: it stops at once
+        assert len(third["index"]) == 0 and sink.nonfinite.step_in_call == 0
+        assert float(total) == sum(b[0] for b in batches[:6])
+
+
+def nan_at_step(k):
+    """A step counting steps, not finite at step ``k`` (from 0); outputs the batch's samples."""
+
+    def step(count, batch):
+        return count + 1, jnp.where(count == k, jnp.nan, 1.0) * batch["index"]
+
+    return step
+
+
+@pytest.mark.parametrize("sink_size", [6, -1])
+def test_exactly_once_across_a_stop_and_a_resume(sink_size):
+    dataset = indexed_map_dataset(40, 2)  # 20 batches an epoch, reshuffled each epoch
+    batches = samples_of(dataset, 80)
+    seen, count = [], jnp.int32(0)
+    with sinkax.data_sink(nan_at_step(27), dataset, sink_size, stop_if_nonfinite=True) as sink:
+        while sink.nonfinite is None:
+            count, outs = sink(count)
+            seen += outs.tolist()
+        data_state = sink.data_state()
+    assert (data_state["epoch"], data_state["step"], int(count)) == (1, 7, 27)
+    with sinkax.data_sink(nan_at_step(-1), dataset, sink_size, data_state=data_state) as sink:
+        while len(seen) < 60:  # the resume
+            count, outs = sink(count)
+            seen += outs.tolist()
+    assert seen == batches[: len(seen)]  # every batch once, in order, the bad one included
+
+
+def test_without_the_option_the_nonfinite_step_is_kept():
+    dataset = indexed_map_dataset(16, 2)
+    batches = samples_of(dataset, 8)
+    with sinkax.data_sink(poisoned_at(batches[1][0]), dataset, 4) as sink:
+        _, outs = sink(jnp.float32(0))
+        assert sink.nonfinite is None and sink.step == 4
+        assert np.isnan(outs["loss"][1:]).tolist() == [True, False, False]
+
+
+def test_a_stateless_sink_stops_too():
+    dataset = indexed_map_dataset(16, 2, seed=None)  # batch k holds samples 2k, 2k+1
+    with sinkax.data_sink(
+        lambda b: jnp.log(b["x"][0, 0] - 2.5), dataset, 5, stop_if_nonfinite=True
+    ) as sink:
+        outs = sink()  # x = 0.5 * index: log of a negative number until index 6
+        assert len(outs) == 0 and sink.step == 0
+    with sinkax.data_sink(
+        lambda b: 1 / (b["x"][0, 0] - 3), dataset, 5, stop_if_nonfinite=True
+    ) as sink:
+        outs = sink()  # 1/0 at index 6, the 4th batch
+        assert len(outs) == 3 and sink.step == 3 and jnp.isinf(sink.nonfinite.out)
+
+
+@pytest.mark.parametrize(
+    ("watch", "error", "match"),
+    [(3, TypeError, "stop_if_nonfinite must be True"), ("lost", KeyError, "'loss', 'index'")],
+)
+def test_a_bad_watch_names_the_forms_or_the_entries(watch, error, match):
+    dataset = indexed_map_dataset(8, 2)
+    step = functools.partial(poisoned_at(-1))
+    with (
+        pytest.raises(error, match=match),
+        sinkax.data_sink(step, dataset, 2, stop_if_nonfinite=watch) as sink,
+    ):
+        sink(jnp.float32(0))

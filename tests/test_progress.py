@@ -1,0 +1,116 @@
+"""``progress=``: a sink reports every k-th step from inside a call, where the device can."""
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import default_backend, needs_plugin
+
+import sinkax
+
+DATA = [{"x": np.float32(i)} for i in range(10)]
+
+
+def running_sum(total, batch):
+    total = total + batch["x"]
+    return total, {"loss": total}
+
+
+def reports_of(sink_size, calls, **options):
+    """The ``(steps, loss)`` reports of ``calls`` calls of a running-sum sink."""
+    reports = []
+    with sinkax.data_sink(
+        running_sum,
+        DATA,
+        sink_size,
+        progress=lambda steps, out: reports.append((steps, float(out["loss"]))),
+        **options,
+    ) as sink:
+        total = np.float32(0)
+        for _ in range(calls):
+            total, _ = sink(total)
+        jax.effects_barrier()  # the device's reports have run
+    return reports
+
+
+def losses(steps):
+    return np.cumsum([i % 10 for i in range(steps)]).tolist()
+
+
+@pytest.mark.skipif(not default_backend().python_callbacks, reason="needs host callbacks")
+def test_a_scan_reports_every_kth_step_from_the_device():
+    reports = reports_of(25, 2, strategy="scan", progress_every=10)
+    loss = losses(50)
+    # steps 10 and 20 of each call from the device, the last 5 from the host at its end
+    assert sorted(reports, key=lambda r: r[1]) == [
+        (10, loss[9]),
+        (10, loss[19]),
+        (5, loss[24]),
+        (10, loss[34]),
+        (10, loss[44]),
+        (5, loss[49]),
+    ]
+
+
+@pytest.mark.skipif(not default_backend().python_callbacks, reason="needs host callbacks")
+def test_the_device_reports_while_the_call_runs():
+    reported, release = threading.Event(), threading.Event()
+
+    def hook(steps, out):
+        reported.set()
+
+    def waits_for_the_test(total, batch):  # step 3 waits until the test saw step 2's report
+        total, out = running_sum(total, batch)
+        jax.debug.callback(lambda t: release.wait(30) if t == 3 else None, total)
+        return total, out
+
+    with sinkax.data_sink(
+        waits_for_the_test, DATA, 4, strategy="scan", progress=hook, progress_every=2
+    ) as sink:
+        done = threading.Thread(target=lambda: jax.block_until_ready(sink(np.float32(0))))
+        done.start()
+        assert reported.wait(30)  # the report of step 2, before step 3 ends
+        release.set()
+        done.join(30)
+
+
+@pytest.mark.parametrize(
+    ("sink_size", "options"),
+    [(25, {"strategy": "loop"}), (25, {"strategy": "auto"}), (1, {}), (25, {"jit": False})],
+    ids=["loop", "auto", "one-step", "eager"],
+)
+def test_the_reports_add_up_to_every_step(sink_size, options):
+    reports = reports_of(sink_size, 3, progress_every=10, **options)
+    assert sum(steps for steps, _ in reports) == 3 * sink_size
+    assert max(loss for _, loss in reports) == losses(3 * sink_size)[-1]
+
+
+@needs_plugin
+def test_without_host_callbacks_a_warning_and_a_report_per_call():
+    with pytest.warns(RuntimeWarning, match="no Python host callbacks.*once per call"):
+        reports = reports_of(25, 2, strategy="scan", progress_every=10, device="Emulated")
+    loss = losses(50)
+    assert reports == [(25, loss[24]), (25, loss[49])]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"progress": 3}, TypeError, "progress must be a function hook"),
+        ({"progress": print, "progress_every": 0}, ValueError, "progress_every must be an int"),
+    ],
+)
+def test_bad_progress_options_are_named(options, error, match):
+    with pytest.raises(error, match=match):
+        sinkax.data_sink(running_sum, DATA, 2, **options)
+
+
+def test_without_progress_a_scan_compiles_its_plain_program():
+    step = functools.partial(running_sum)  # a new function: nothing cached for it yet
+    with sinkax.data_sink(step, DATA, 4, strategy="scan") as sink:
+        sink(jnp.float32(0))
+        kinds = [key[0] for key in sink._executor.compiler._cache if isinstance(key, tuple)]
+    assert sorted(kinds) == ["carry", "scan"]  # not ("scan", ("progress", ...), every)
