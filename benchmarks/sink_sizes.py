@@ -8,7 +8,8 @@ dispatch-bound MLP; batch 32, SGD-momentum):
   steps before the step that takes it;
 * ``scan 100, put next first`` -- the best hand-written scan: ``lax.scan`` over chunks of 100
   batches stacked beforehand, the next chunk's ``device_put`` issued before each scan;
-* ``sinkax N``       -- ``data_sink(step, batches, N)`` for N in 1, 10, 100, 1000 and one epoch,
+* ``sinkax N``       -- ``data_sink(step, batches, N)`` for N in 1, 10, 100, 1000, one epoch and
+  ``"auto"`` (calls of about a second each, see ``sinkax.channel.sizing``),
   a new sink per timed run (its executables compiled before), so that every batch it uses moves
   inside the timed window;
 * ``device step``    -- per-step jitted loop over batches already on the device (the bound of
@@ -42,7 +43,7 @@ from _common import fresh, machine, median_rate, save, table, workload
 
 import sinkax
 
-SIZES = (1, 10, 100, 1000, -1)
+SIZES = (1, 10, 100, 1000, -1, "auto")
 
 
 def plain(w, steps):
@@ -144,15 +145,20 @@ def sinkax_run(w, steps, sink_size, strategy="auto", **options):
     more calls, and closes the sink; it returns ``(steps, seconds)`` of the timed calls. So no
     other sink is open while one is timed, and the timed calls move their data as they would in
     a long run. A first sink, not timed, compiled the executables (shared by later sinks of the
-    step) and let ``"auto"`` choose."""
+    step) and let ``"auto"`` choose; for ``sink_size="auto"`` the timed sinks start from its
+    data position, at the call size it reached (the steady state, not the first calls)."""
     prefetch = options.get("prefetch", 2)
-    per_call = len(w.batches) if sink_size == -1 else sink_size
-    calls = max(2, -(-steps // per_call))
+    per_call = {-1: len(w.batches), "auto": 1}.get(sink_size, sink_size)
+    least = max(2 * per_call, steps)  # at least 2 calls; "auto" runs whole calls past it
     state = fresh(w.init())
     with sinkax.data_sink(w.step, w.batches, sink_size, strategy=strategy, **options) as sink:
         while sink.stats.calls < 2 or sink.stats.strategy.startswith("auto"):
             state, _ = sink(state)
+        while sink_size == "auto" and sink.stats.calls < 12:  # its sizes settle
+            state, _ = sink(state)
         chosen = sink.stats.strategy
+        if sink_size == "auto":  # the timed sinks start at the size this one reached
+            options = {**options, "data_state": sink.data_state()}
     state = jax.block_until_ready(state)
 
     def run():
@@ -161,11 +167,12 @@ def sinkax_run(w, steps, sink_size, strategy="auto", **options):
             for _ in range(prefetch + 1):
                 state, metrics = sink(state)
             jax.block_until_ready(metrics)
-            t0 = time.perf_counter()
-            for _ in range(calls):
+            t0, done = time.perf_counter(), 0
+            while done < least:
                 state, metrics = sink(state)
+                done += len(metrics["loss"])
             jax.block_until_ready(metrics)
-            return calls * per_call, time.perf_counter() - t0
+            return done, time.perf_counter() - t0
 
     return run, chosen
 
@@ -176,7 +183,7 @@ BOUND_OF = {"scan": "device scan", "loop": "device step", "step": "device step"}
 
 
 def label(size, epoch):
-    return f"sinkax epoch ({epoch})" if size == -1 else f"sinkax {size}"
+    return f"sinkax epoch ({epoch})" if size == -1 else f"sinkax {size}"  # "sinkax auto" too
 
 
 def measure(w, steps, repeats, sizes, strategy="auto", wrap=None, **options):
@@ -303,6 +310,13 @@ def targets(results, first=None):
         checks.append(
             ("mlp: sinkax 1 vs plain", rate("mlp", "sinkax 1") / rate("mlp", "plain"), 1.0)
         )
+    for name in ("mlp", "lenet"):  # issue 24: auto within 5 % of the best fixed size
+        if name in results:
+            fixed = [r for r in results[name] if r["mode"].startswith("sinkax ")]
+            best = max(r["steps/s"] for r in fixed if r["mode"] != "sinkax auto")
+            checks.append(
+                (f"{name}: sinkax auto vs best fixed", rate(name, "sinkax auto") / best, 0.95)
+            )
     for name in ("lenet", "flax"):
         if name in results:
             best = max(rate(name, "device step"), rate(name, "device scan"))

@@ -25,9 +25,11 @@ from jax.sharding import Sharding
 
 from sinkax import placement
 from sinkax.backend import TARGETS, resolve_device
+from sinkax.channel.sizing import check_call_seconds
 from sinkax.execution import progress as progress_hook
 from sinkax.execution.guard import Watch, watcher
 
+AUTO = "auto"  # sink_size="auto": see sinkax.channel.sizing
 MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
 # The ring sets up prefetch + 1 device slots when it starts, each up to max_chunk_bytes on the
 # device; a few chunks ahead keep the device fed, more only hold memory.
@@ -50,7 +52,8 @@ def check_sink_size(sink_size: Any) -> int:
 
 
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
-    check_sink_size(sink_size)
+    if sink_size != AUTO:
+        check_sink_size(sink_size)
     if (
         isinstance(prefetch, bool)
         or not isinstance(prefetch, numbers.Integral)
@@ -115,7 +118,7 @@ class SinkConfig:
     """The checked options of a sink (see :func:`sinkax.data_sink` for each); build it with
     :meth:`of`."""
 
-    sink_size: int
+    sink_size: int | str  # or AUTO
     jit: bool
     strategy: str
     prefetch: int
@@ -127,6 +130,7 @@ class SinkConfig:
     stop_if_nonfinite: Watch = None  # what is checked, see sinkax.execution.guard.watcher
     progress: progress_hook.Hook | None = None  # see sinkax.execution.progress
     progress_every: int = 100
+    call_seconds: float = 1.0  # the target of sink_size="auto"
 
     @classmethod
     def of(
@@ -145,6 +149,7 @@ class SinkConfig:
         stop_if_nonfinite: Watch = None,
         progress: progress_hook.Hook | None = None,
         progress_every: int = 100,
+        call_seconds: float = 1.0,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
@@ -157,8 +162,18 @@ class SinkConfig:
             )
         watcher(stop_if_nonfinite)  # a TypeError naming the forms it takes
         progress_hook.check(progress, progress_every)
+        if sink_size == AUTO and jax.process_count() > 1:
+            raise ValueError(
+                "sink_size='auto' sizes calls from this process's own timings, but every "
+                "process must run the same calls: give a fixed sink_size across processes."
+            )
+        if sink_size == AUTO and calls is not None:
+            raise ValueError(
+                "sink_size='auto' decides its calls' sizes as it runs, so calls= (a count of "
+                "calls planned ahead) does not apply: leave it out, or give a fixed sink_size."
+            )
         return cls(
-            sink_size=int(sink_size),
+            sink_size=sink_size if sink_size == AUTO else int(sink_size),
             jit=bool(jit),
             strategy=strategy,
             prefetch=int(prefetch),
@@ -172,6 +187,7 @@ class SinkConfig:
             stop_if_nonfinite=stop_if_nonfinite or None,
             progress=progress,
             progress_every=int(progress_every),
+            call_seconds=check_call_seconds(call_seconds),
         )
 
     def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:
@@ -186,5 +202,8 @@ class SinkConfig:
         return self.steps_per_call(epoch_length)
 
     def steps_per_call(self, epoch_length: int | None) -> int | None:
-        """Steps a call runs: ``sink_size``, or for ``-1`` the epoch length."""
-        return self.sink_size if self.sink_size > 0 else epoch_length
+        """Steps a call runs: ``sink_size``, or for ``-1`` the epoch length; ``None`` for
+        ``"auto"`` (it varies)."""
+        if self.sink_size == AUTO:
+            return None
+        return self.sink_size if self.sink_size > 0 else epoch_length  # type: ignore[operator]

@@ -52,6 +52,7 @@ class SinkStats:
     ``device_bytes`` and ``peak_device_bytes``: the bytes in use on the sink's devices now and at
     most, as their ``memory_stats()`` report them (every user of the devices counts; the
     emulated device and GPUs report them, ``None`` where a device does not, as XLA:CPU's).
+    ``call_sizes``: with ``sink_size="auto"``, the steps of its last calls (up to 64).
     """
 
     steps: int
@@ -69,6 +70,7 @@ class SinkStats:
     interactions: pjrt.Interactions | None = None
     device_bytes: int | None = None
     peak_device_bytes: int | None = None
+    call_sizes: tuple[int, ...] | None = None
 
     @property
     def bound(self) -> str:
@@ -91,7 +93,7 @@ class Sink:
         self,
         fn: Callable[..., Any],
         dataset: Any,
-        sink_size: int = 1,
+        sink_size: int | str = 1,
         *,
         read_options: grain.ReadOptions | None = None,
         data_state: dict[str, Any] | None = None,
@@ -135,6 +137,7 @@ class Sink:
             raise RuntimeError(_BUSY)
         self._running = True
         cursor, executor, parts = self._cursor, self._executor, []
+        compiles = executor.compiler.compiles  # a call that compiles is not timed for "auto"
         stopped: Any = None  # stop_if_nonfinite: the output of the step not kept
         self.nonfinite = None
         try:
@@ -158,7 +161,7 @@ class Sink:
                     outs, stopped = guard.split(outs, kept)
                 parts.append(outs)  # from here on, an interrupted call has consumed data
                 cursor.ran(piece, (carry, outs), kept)
-                if piece.ends_call or stopped is not None:
+                if cursor.ends_call(piece) or stopped is not None:
                     break
             outs = parts[0] if len(parts) == 1 else concat_trees(parts)
             if stopped is not None:  # the next call starts at the batch not kept
@@ -182,7 +185,7 @@ class Sink:
             raise
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
         if stopped is None:
-            cursor.commit(piece)
+            cursor.commit(piece, measure=executor.compiler.compiles == compiles)
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
         if executor.progress:  # the steps no device report covered
@@ -197,7 +200,9 @@ class Sink:
         with exactly the next batch, none repeated and none skipped -- and, where ``"auto"``
         would choose, with the same strategy, so that a resumed run computes what the
         uninterrupted one did, bit for bit. With a dataset of known length it also holds
-        ``"epoch_length"``: a resume onto another length is refused.
+        ``"epoch_length"``: a resume onto another length is refused. A ``sink_size="auto"``
+        sink records the steps per call it has reached (``"call_steps"``): a resumed one
+        continues at that size.
         """
         state, recorded = self._cursor.data_state(), self._executor.recorded
         return state if recorded is None else {**state, "strategy": recorded}
@@ -232,7 +237,8 @@ class Sink:
         stateless sink. Waits for the first batch to learn the batch layout.
         """
         spec = self._cursor.first_spec()
-        steps = min(self.steps_per_call, chunk_steps(self.config.max_chunk_bytes, spec))  # type: ignore[type-var]
+        most = chunk_steps(self.config.max_chunk_bytes, spec)
+        steps = min(self.steps_per_call or most, most)
         return self._executor.lower(state, spec, steps)
 
     epoch = property(lambda self: self._cursor.epoch, doc="Epoch of the next batch (from 0).")
@@ -240,7 +246,7 @@ class Sink:
     epoch_length = property(lambda self: self._cursor.epoch_length, doc="Batches per epoch.")
     steps_per_call = property(
         lambda self: self.config.steps_per_call(self.epoch_length),
-        doc="Steps a call runs: ``sink_size``, or for ``-1`` the epoch length.",
+        doc="Steps a call runs: ``sink_size``, or for ``-1`` the epoch length (``None``: auto).",
     )
 
     @property
@@ -275,7 +281,9 @@ class Sink:
         self.close()
 
 
-def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **options: Any) -> Sink:
+def data_sink(
+    fn: Callable[..., Any], dataset: Any, sink_size: int | str = 1, **options: Any
+) -> Sink:
     """Bind ``fn`` to ``dataset`` so that each call runs ``sink_size`` steps on the device.
 
     Args:
@@ -284,8 +292,9 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
       dataset: a grain ``MapDataset``/``IterDataset``/``DataLoader`` or any re-iterable of
         pytrees of arrays; one pass is one epoch. Every batch must match the first in
         structure, shape and dtype.
-      sink_size: steps per call; ``-1`` is one epoch per call (needs a dataset of known length).
-        With ``sink_size > 0`` the data is traversed endlessly.
+      sink_size: steps per call; ``-1`` is one epoch per call (needs a dataset of known length);
+        ``"auto"`` sizes each call to last about ``call_seconds``, never past an epoch's end
+        (see :mod:`sinkax.channel.sizing`). Else the data is traversed endlessly.
       jit: ``True`` compiles (GRAPH mode), ``False`` runs eagerly (PYNATIVE, for debugging);
         default from :func:`sinkax.set_context`.
       strategy: ``"auto"`` (measure in the first call, keep the faster), ``"scan"``, ``"loop"``,
@@ -309,6 +318,15 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
       calls: the calls this sink will make, if known (``DatasetHelper`` and ``Model`` pass
         their epochs): its producer then reads and moves to the device nothing past them, and a
         call after them raises :class:`~sinkax.errors.SinkExhaustedError`. Default: no limit.
+      call_seconds: for ``sink_size="auto"``, the seconds a call should last (default 1).
+      stop_if_nonfinite: ``True``, an output entry's name (``"loss"``) or a function of the
+        output: a call stops at the first step whose watched output is not finite, keeping the
+        state from before it, returns the steps before it, and leaves the data position at
+        that batch; :attr:`Sink.nonfinite` says where (see :mod:`sinkax.execution.guard`).
+        Each call then waits for its compute to end (it reads one flag).
+      progress: ``hook(steps, out)``, told of the steps done while a call runs: every
+        ``progress_every`` steps (default 100) from the device where it runs host callbacks,
+        the rest when the call returns (see :mod:`sinkax.execution.progress`).
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.

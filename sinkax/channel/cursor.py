@@ -8,7 +8,7 @@ committed position (a *resync*), so no batch is skipped and none repeated.
 
 >>> import numpy as np
 >>> from sinkax.channel.source import as_source
->>> from sinkax.config import SinkConfig
+>>> from sinkax.config import AUTO, SinkConfig
 >>> cursor = Cursor(as_source([{"x": np.float32(i)} for i in range(3)]), SinkConfig.of(2))
 >>> data, piece, offset = cursor.next_piece()
 >>> data["x"][offset : offset + piece.steps].tolist(), piece.ends_call
@@ -35,8 +35,9 @@ from sinkax.channel.chunk import Chunk, Piece
 from sinkax.channel.plan import plan
 from sinkax.channel.position import check_data_state, move_to
 from sinkax.channel.ring import DeviceRing
+from sinkax.channel.sizing import CallSizer
 from sinkax.channel.source import Source, snapshot
-from sinkax.config import SinkConfig
+from sinkax.config import AUTO, SinkConfig
 from sinkax.errors import SinkTimeoutError, warn
 from sinkax.spec import BatchSpec
 
@@ -61,13 +62,17 @@ class Cursor:
         data_state: dict[str, Any] | None = None,
     ):
         self._source, self._packer = source, packers.of(feed, config.sharding)
-        self._plan = functools.partial(
-            plan, config.sink_size, source.epoch_length, config.max_chunk_bytes
-        )
+        self.sizer = None  # sink_size="auto"
+        if config.sink_size == AUTO:
+            self.sizer = CallSizer(config.call_seconds, source.epoch_length)
+        sizes = self.sizer.granule if self.sizer else config.sink_size
+        self._plan = functools.partial(plan, sizes, source.epoch_length, config.max_chunk_bytes)
         self._calls = config.calls  # the calls the sink will make, if known
         self.prefetch, self.timeout = config.prefetch, config.timeout
         if data_state is not None:
             move_to(source, data_state)
+            if self.sizer:
+                self.sizer.restore(data_state)
         self._committed = snapshot(source)
         self._chunk: Chunk | None = None  # being consumed, piece by piece
         self._piece = self._offset = 0
@@ -116,13 +121,17 @@ class Cursor:
             "max_chunks_on_device": ring.max_chunks_on_device,
             "data_wait_s": self.data_wait_s,
             "slot_wait_s": ring.slot_wait_s,
+            "call_sizes": tuple(self.sizer.sizes) if self.sizer else None,
         }
 
     def data_state(self) -> dict[str, Any]:
-        """The committed position (see ``Sink.data_state``)."""
+        """The committed position (see ``Sink.data_state``), with ``sink_size="auto"``'s target
+        steps per call (``"call_steps"``)."""
         state = dict(self._committed)
         if self.epoch_length is not None:
             state["epoch_length"] = self.epoch_length
+        if self.sizer:
+            state["call_steps"] = self.sizer.target
         return state
 
     def first_spec(self) -> BatchSpec:
@@ -162,9 +171,17 @@ class Cursor:
         self.steps += steps
         self._call_steps += steps
 
-    def commit(self, piece: Piece) -> None:
-        """The call that ended with ``piece`` delivers its results: its position is committed."""
-        self._count_call()
+    def ends_call(self, piece: Piece) -> bool:
+        """Whether the call ends with ``piece``, just run: where the plan ends a call (for
+        ``sink_size="auto"``, a granule) and, auto, the call is long enough (see ``sizing``)."""
+        if self.sizer is None or not piece.ends_call:
+            return piece.ends_call
+        return self.sizer.enough(self._call_steps, piece.position)
+
+    def commit(self, piece: Piece, measure: bool = True) -> None:
+        """The call that ended with ``piece`` delivers its results: its position is committed;
+        an auto sink measures it unless not ``measure`` (it compiled)."""
+        self._count_call(measure)
         self._committed = {
             "epoch": piece.position.epoch,
             "step": piece.position.step,
@@ -195,10 +212,12 @@ class Cursor:
         self._start_ring()
         self._resync = False
 
-    def _count_call(self) -> None:
+    def _count_call(self, measure: bool = False) -> None:
         started, waited = self._call_started
         self.busy_s += time.perf_counter() - started - (self.data_wait_s - waited)
         self.calls += 1
+        if self.sizer:
+            self.sizer.ended(self._call_steps, measure)
 
     def failed(self, consumed: bool) -> None:
         """A call failed; if it ``consumed`` data, the next call rewinds first -- unless the
@@ -306,6 +325,8 @@ class Cursor:
             )
         try:
             move_to(self._source, state)
+            if self.sizer:
+                self.sizer.restore(state)
         except ValueError:  # the cursor stays where it was, its producer running
             with contextlib.suppress(Exception):
                 self._source.set_state(self._committed["source"])

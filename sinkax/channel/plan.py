@@ -22,19 +22,29 @@ MIN_CHUNK_BYTES = 8 << 20  # a chunk this large moves at the link's full rate: g
 
 
 def call_sizes(
-    sink_size: int, epoch_length: int | None, start_step: int, calls: int | None = None
+    sink_size: int | Callable[[], int],
+    epoch_length: int | None,
+    start_step: int,
+    calls: int | None = None,
 ) -> Iterator[int]:
-    """Steps of successive calls: ``sink_size``, or (for ``-1``) the rest of each epoch; ``calls``
-    of them, or endlessly.
+    """Steps of successive calls: ``sink_size``, or (for ``-1``) the rest of each epoch, or (a
+    function: ``sink_size="auto"``'s granules, see :mod:`sinkax.channel.sizing`) what it gives
+    when asked, cut at each epoch's end; ``calls`` of them, or endlessly.
 
     >>> from itertools import islice
     >>> list(islice(call_sizes(-1, 10, start_step=3), 3)), list(call_sizes(4, None, 0, calls=2))
     ([7, 10, 10], [4, 4])
+    >>> list(islice(call_sizes(lambda: 4, 10, start_step=0), 4))
+    [4, 4, 2, 4]
     """
     step, made = start_step, 0
     while calls is None or made < calls:
-        yield sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
-        step, made = 0, made + 1
+        if callable(sink_size):
+            size = sink_size() if epoch_length is None else min(sink_size(), epoch_length - step)
+        else:
+            size = sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
+        yield size
+        step, made = (step + size) % (epoch_length or 1), made + 1
 
 
 def plan_chunks(
@@ -81,7 +91,7 @@ def chunk_steps(max_chunk_bytes: int, spec: BatchSpec) -> int:
 
 
 def plan(
-    sink_size: int,
+    sink_size: int | Callable[[], int],
     epoch_length: int | None,
     max_chunk_bytes: int,
     spec: BatchSpec,

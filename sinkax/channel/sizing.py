@@ -1,0 +1,116 @@
+"""``sink_size="auto"``: calls that size themselves to last about ``call_seconds``.
+
+The producer plans an auto sink's data as *granules*, small calls of a power of two of steps
+(:meth:`CallSizer.granule`; a granule never crosses an epoch's end), and a call takes whole
+granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end.
+A granule is one window of the strategy, so the executables are those of a few powers of two,
+shared by every call size. After each call the target follows the call's measured rate:
+``call_seconds`` times the steps per second between the ends of the last two calls, at most
+:data:`GROWTH` times the last target and at least a :data:`GROWTH`-th of it, never over an
+epoch; a call that compiled is not measured. The granule follows the target (an
+:data:`GRANULES`-th of it), lagging by the chunks the producer has read ahead.
+
+The target is part of the data position (``"call_steps"``): a resumed sink starts at the size
+the saved one had reached, not small again.
+
+>>> sizer = CallSizer(call_seconds=1.0, epoch_length=None)
+>>> sizer.target, sizer.granule()
+(1, 1)
+>>> sizer.measured(steps=1, seconds=0.01); sizer.target   # 100 steps/s: at most GROWTH x
+8
+>>> sizer.measured(steps=8, seconds=0.08); sizer.target
+64
+>>> sizer.measured(steps=64, seconds=0.64); sizer.target, sizer.granule()
+(100, 8)
+"""
+
+from __future__ import annotations
+
+import collections
+import numbers
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sinkax.channel.source import Position
+
+GROWTH = 8  # a call's target grows or shrinks at most this much per call
+GRANULES = 8  # a call of the target holds at least this many granules (but for the first)
+KEPT_SIZES = 64  # the sizes of the last calls that Sink.stats shows
+now = time.perf_counter  # what a sizer times calls with, unless given a clock
+
+
+def check_call_seconds(call_seconds: Any) -> float:
+    """``call_seconds`` as a float > 0, else a ``ValueError``."""
+    if (
+        isinstance(call_seconds, bool)
+        or not isinstance(call_seconds, numbers.Real)
+        or not 0 < call_seconds < float("inf")
+    ):
+        raise ValueError(
+            f"call_seconds must be the seconds one call of sink_size='auto' should last (> 0), "
+            f"got {call_seconds!r}."
+        )
+    return float(call_seconds)
+
+
+def check_target(call_steps: Any) -> int:
+    """A saved target (``data_state["call_steps"]``) as an int >= 1, else a ``ValueError``."""
+    if isinstance(call_steps, bool) or not isinstance(call_steps, int) or call_steps < 1:
+        raise ValueError(
+            "data_state['call_steps'] must be the steps per call a sink_size='auto' sink had "
+            f"reached (an int >= 1, what Sink.data_state() records), got {call_steps!r:.100}."
+        )
+    return call_steps
+
+
+class CallSizer:
+    """The target steps of an auto sink's calls, from their measured times (see the module
+    docstring); ``target`` to start from (a saved one), ``clock`` default :data:`now`."""
+
+    def __init__(
+        self,
+        call_seconds: float,
+        epoch_length: int | None,
+        target: int = 1,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.call_seconds, self.epoch_length = call_seconds, epoch_length
+        self.target = self._bounded(target)
+        self.sizes: collections.deque[int] = collections.deque(maxlen=KEPT_SIZES)
+        self._clock = clock or now
+        self._last_end: float | None = None  # when the last call ended
+
+    def restore(self, data_state: dict[str, Any]) -> None:
+        """Continue at the target a saved position recorded (``ValueError`` if it is bad)."""
+        if "call_steps" in data_state:
+            self.target = self._bounded(check_target(data_state["call_steps"]))
+
+    def enough(self, steps: int, position: Position) -> bool:
+        """Whether a call that has run ``steps`` up to ``position`` (the batch after its last
+        granule) ends there: it holds its target, or an epoch ended."""
+        return steps >= self.target or position.step == 0
+
+    def ended(self, steps: int, measure: bool) -> None:
+        """A call of ``steps`` ended; ``measure``: it ran as every call does (it compiled
+        nothing, and ran whole) -- then its time since the last call ended sets the target."""
+        now = self._clock()
+        if measure and self._last_end is not None:
+            self.measured(steps, now - self._last_end)
+        self._last_end = now
+        self.sizes.append(steps)
+
+    def _bounded(self, steps: float) -> int:
+        steps = max(1, round(steps))
+        return steps if self.epoch_length is None else min(steps, self.epoch_length)
+
+    def granule(self) -> int:
+        """Steps of the next granule the producer plans: the largest power of two at most an
+        :data:`GRANULES`-th of the target."""
+        return 1 << max(0, (self.target // GRANULES).bit_length() - 1)
+
+    def measured(self, steps: int, seconds: float) -> None:
+        """A call of ``steps`` took ``seconds``: set the next target."""
+        rate = steps / max(seconds, 1e-9)
+        wanted = self.call_seconds * rate
+        self.target = self._bounded(min(max(wanted, self.target / GROWTH), self.target * GROWTH))

@@ -1,0 +1,117 @@
+"""``sink_size="auto"``: calls that size themselves to about ``call_seconds``."""
+
+import contextlib
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    collect_index,
+    ctrl_c_at_check,
+    indexed_map_dataset,
+    init_state,
+    reference_run,
+    train_step,
+)
+
+import sinkax
+from sinkax.channel import sizing
+from sinkax.channel.source import Position
+
+MID_EPOCH = Position(0, 5)
+
+
+def test_the_target_follows_the_measured_rate_within_bounds():
+    clock = iter([0.0, 1.0, 1.1, 1.2, 3.2, 3.3])
+    sizer = sizing.CallSizer(call_seconds=0.5, epoch_length=1000, clock=lambda: next(clock))
+    sizer.ended(1, measure=True)  # the first call: nothing to measure from
+    assert sizer.target == 1
+    sizer.ended(1, measure=True)  # 1 step in 1 s: 0.5 steps per call, at least 1
+    assert sizer.target == 1
+    sizer.ended(1, measure=True)  # 10 steps/s: 5, within GROWTH
+    assert sizer.target == 5
+    sizer.ended(5, measure=False)  # it compiled: not measured
+    assert sizer.target == 5
+    sizer.ended(5, measure=True)  # 2.5 steps/s: 1.25 -> 1
+    assert sizer.target == 1
+    sizer.ended(1, measure=True)  # 10 steps/s again
+    assert sizer.target == 5 and list(sizer.sizes) == [1, 1, 1, 5, 5, 1]
+
+
+def test_growth_is_bounded_per_call_and_by_the_epoch():
+    clock = itertools.count(step=1e-3)  # every call takes a millisecond
+    sizer = sizing.CallSizer(call_seconds=10.0, epoch_length=3000, clock=lambda: next(clock))
+    targets = []
+    for _ in range(6):
+        sizer.ended(sizer.target, measure=True)
+        targets.append(sizer.target)
+    assert targets == [1, 8, 64, 512, 3000, 3000]
+    assert sizer.granule() == 256  # a power of two, at most an eighth of the target
+
+
+def test_a_call_ends_at_its_target_or_at_an_epochs_end():
+    sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=100, target=40)
+    assert not sizer.enough(39, MID_EPOCH) and sizer.enough(40, MID_EPOCH)
+    assert sizer.enough(3, Position(1, 0))
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"call_seconds": 0}, "call_seconds must be"),
+        ({"calls": 3}, "calls= .* does not apply"),
+        ({"data_state": {"call_steps": 0}}, r"call_steps'\] must be"),
+    ],
+)
+def test_bad_auto_options_are_named(option, match):
+    dataset = indexed_map_dataset(16, 2)
+    if "data_state" in option:
+        with sinkax.data_sink(collect_index, dataset, "auto") as sink:
+            option = {"data_state": {**sink.data_state(), **option["data_state"]}}
+    with pytest.raises(ValueError, match=match):
+        sinkax.data_sink(collect_index, dataset, "auto", **option).close()
+
+
+def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
+    clock = itertools.count(step=1e-3)  # every call "takes" a millisecond: targets x8 a call
+    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    dataset = indexed_map_dataset(400, 2)  # 200 batches an epoch, reshuffled each epoch
+    seen = []
+    with sinkax.data_sink(collect_index, dataset, "auto", call_seconds=1.0) as sink:
+        while sum(map(len, seen)) < 3 * 400:
+            _, indices = sink(jnp.int32(0))
+            seen.append(np.asarray(indices).reshape(-1))
+        sizes, saved = sink.stats.call_sizes, sink.data_state()
+    assert sizes[0] == 1 and max(sizes) == 200  # bounded by the epoch
+    assert all(b <= 8 * a or b == 200 for a, b in itertools.pairwise(sizes))
+    samples = np.concatenate(seen)
+    for epoch in range(3):  # calls end at epochs' ends: whole epochs, each sample once
+        assert sorted(samples[400 * epoch : 400 * (epoch + 1)]) == list(range(400))
+    assert saved["call_steps"] == 200
+    with sinkax.data_sink(collect_index, dataset, "auto", data_state=saved) as sink:
+        sink(jnp.int32(0))  # the resumed sink starts at the size the saved one reached
+        assert sink.stats.call_sizes == (200,)
+
+
+def test_ctrl_c_anywhere_in_an_auto_call_keeps_the_state_and_every_batch(batches):
+    _, ref_losses = reference_run(batches, 400)
+    for k in itertools.count():
+        with sinkax.data_sink(train_step, batches, "auto", strategy="scan") as sink:
+            state, losses = sink(init_state())
+            with (
+                contextlib.suppress(KeyboardInterrupt),
+                ctrl_c_at_check(k, sinkax.Sink.__call__) as checks,
+            ):
+                state, more = sink(state)
+                losses = np.concatenate([losses, more])
+            while len(losses) < 20:  # a held Ctrl-C stops the first of these
+                with contextlib.suppress(KeyboardInterrupt):
+                    state, more = sink(state)
+                    losses = np.concatenate([losses, more])
+        assert len(losses) <= len(ref_losses)
+        np.testing.assert_allclose(
+            losses, ref_losses[: len(losses)], rtol=1e-5, err_msg=f"Ctrl-C at check {k}"
+        )
+        if next(checks) <= k:  # the call passed fewer checks: each one has had its Ctrl-C
+            break
