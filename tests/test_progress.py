@@ -77,6 +77,24 @@ def test_the_device_reports_while_the_call_runs():
         done.join(30)
 
 
+@pytest.mark.skipif(not default_backend().python_callbacks, reason="needs host callbacks")
+def test_a_sink_that_stops_at_nan_reports_the_steps_outputs():
+    data = [*DATA[:7], {"x": np.float32(np.nan)}, *DATA[8:]]
+    reports = []
+    with sinkax.data_sink(
+        running_sum,
+        data,
+        10,
+        strategy="scan",
+        stop_if_nonfinite="loss",
+        progress=lambda steps, out: reports.append((steps, float(out["loss"]))),
+        progress_every=4,
+    ) as sink:
+        sink(np.float32(0))
+        jax.effects_barrier()
+    assert reports[0] == (4, 6.0)  # step 4's loss, from the device
+
+
 @pytest.mark.parametrize(
     ("sink_size", "options"),
     [(25, {"strategy": "loop"}), (25, {"strategy": "auto"}), (1, {}), (25, {"jit": False})],

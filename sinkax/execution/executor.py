@@ -166,7 +166,8 @@ class Executor:
             if self._watch is not None:  # its executables are not the plain step's
                 fn = guarded(fn, self._watch)
                 self.compiler.specialise(("stop_if_nonfinite", self._watch))
-            report = self.progress.report if self.progress else None
+            output = (lambda out: out[0]) if self._watch is not None else (lambda out: out)
+            report = self.progress.report(output) if self.progress else None
             self._strategy = strategies.make(self.chosen, fn, self.compiler, report=report)
             if self._reselect:
                 self._strategy.reselect()

@@ -67,14 +67,16 @@ class Progress:
         _live[self._token] = self
         self._unreported = 0
 
-    @property
-    def report(self) -> tuple[Any, int, Callable[[Any], None]] | None:
+    def report(
+        self, output: Callable[[Any], Any] = lambda out: out
+    ) -> tuple[Any, int, Callable[[Any], None]] | None:
         """What a ``"scan"`` window reports through: ``(cache key, every, callback)``, or
-        ``None`` where the device cannot call the host."""
+        ``None`` where the device cannot call the host; ``output`` picks the step's output
+        from what the window's step returns (a guarded step returns it with its flag)."""
         if not self.on_device:
             return None
-        callback = lambda out, token=self._token, every=self.every: _report(token, every, out)  # noqa: E731
-        return ("progress", self._token), self.every, callback
+        token, every = self._token, self.every
+        return ("progress", token), every, lambda out: _report(token, every, output(out))
 
     def ran(self, steps: int, reported: int) -> None:
         """A window of ``steps`` ran, ``reported`` of them reported from the device."""
