@@ -164,15 +164,15 @@ class Sink:
                 if cursor.ends_call(piece) or stopped is not None:
                     break
             outs = parts[0] if len(parts) == 1 else concat_trees(parts)
-            if stopped is not None:  # the next call starts at the batch not kept
-                kept = cursor.call_steps
-                cursor.stop()
-                self.nonfinite = guard.NonFinite(cursor.epoch, cursor.step, kept, stopped)
             # Every step has run: from here to the return a Ctrl-C is held, whatever the path,
             # so that the results and the new data position reach the caller together (this
             # also drops the guarded state, so that its arrays are freed here, while held).
             handoff.dispatched()
             returned = executor.returned(carry, static)  # frees the last call's state
+            if stopped is not None:  # the next call starts at the batch not kept
+                kept = cursor.call_steps
+                cursor.stop()
+                self.nonfinite = guard.NonFinite(cursor.epoch, cursor.step, kept, stopped)
             interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException as error:
             # A plain store, no call: from here a second Ctrl-C is held, so that the cleanup

@@ -1,11 +1,13 @@
 """``stop_if_nonfinite``: a sink stops at the first non-finite step, exactly there."""
 
+import contextlib
 import functools
+import itertools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import indexed_map_dataset
+from conftest import ctrl_c_at_check, indexed_map_dataset
 
 import sinkax
 
@@ -118,3 +120,26 @@ def test_a_bad_watch_names_the_forms_or_the_entries(watch, error, match):
         sinkax.data_sink(step, dataset, 2, stop_if_nonfinite=watch) as sink,
     ):
         sink(jnp.float32(0))
+
+
+def test_ctrl_c_anywhere_in_a_stopping_call_loses_and_repeats_no_batch():
+    dataset = indexed_map_dataset(40, 2, seed=None)  # batch k holds samples 2k, 2k+1
+    for k in itertools.count():
+        with sinkax.data_sink(nan_at_step(6), dataset, 4, stop_if_nonfinite=True) as sink:
+            count, outs = sink(jnp.int32(0))
+            seen = outs.tolist()
+            with (
+                contextlib.suppress(KeyboardInterrupt),
+                ctrl_c_at_check(k, sinkax.Sink.__call__) as checks,
+            ):
+                count, outs = sink(count)  # stops at step 6
+                seen += outs.tolist()
+            for _ in range(3):  # until it stops; a held Ctrl-C stops the first of these
+                with contextlib.suppress(KeyboardInterrupt):
+                    count, outs = sink(count)  # after the stop: stops again at once
+                    seen += outs.tolist()
+            assert sink.nonfinite.step_in_call == 0
+            assert (int(count), sink.step) == (6, 6), f"Ctrl-C at check {k}"
+        assert seen == [[2 * i, 2 * i + 1] for i in range(6)], f"Ctrl-C at check {k}"
+        if next(checks) <= k:  # the call passed fewer checks: each one has had its Ctrl-C
+            break
