@@ -241,8 +241,8 @@ class Cursor:
 
     def _stop_ring(self) -> bool:
         """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
+        self._chunk = None  # before its slot is freed: see _current_chunk
         self._finish_in_flight()
-        self._chunk = None
         self._finalizer.detach()
         return self._ring.close(self.timeout)
 

@@ -125,11 +125,7 @@ class DeviceRing:
             while True:
                 layout = leftover or next(layouts, None)
                 if layout is None:  # the plan's calls are all read
-                    raise SinkExhaustedError(
-                        "This sink has made every call it was created for (its `calls=`), and "
-                        "its producer read no data past them. Create it with a larger `calls=`, "
-                        "or without it to run on."
-                    )
+                    raise SinkExhaustedError()
                 staging = self._acquire_slot()
                 if staging is None:
                     return
