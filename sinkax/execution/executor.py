@@ -40,15 +40,6 @@ from sinkax.spec import BatchSpec
 NO_STATE: Any = object()  # what a stateless call (``sink()``) passes as its state
 
 
-def recorded_strategy(data_state: Any) -> str | None:
-    """The strategy a saved data position recorded (``ValueError`` if it is not one a position
-    may record), or ``None``."""
-    if not (isinstance(data_state, dict) and "strategy" in data_state):
-        return None
-    strategies.check_recorded(data_state["strategy"])
-    return data_state["strategy"]
-
-
 class Executor:
     """Runs ``fn`` -- ``fn(state, batch) -> (state, out)``, or stateless ``fn(batch) -> out`` --
     on windows of chunks as ``config`` says (strategy, jit, sharding, graph dumps; see

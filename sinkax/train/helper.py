@@ -32,8 +32,8 @@ from typing import Any
 
 from sinkax import context, interrupt, placement
 from sinkax.backend import backend_of
-from sinkax.channel.position import move_to
-from sinkax.channel.source import as_source, snapshot
+from sinkax.channel.position import DataPosition, move_to
+from sinkax.channel.source import as_source
 from sinkax.config import check_sink_size
 from sinkax.errors import SinkClosedError
 from sinkax.execution import choice as strategies
@@ -188,11 +188,11 @@ class _HostFeed:
             )
         if data_state is not None:
             try:
-                move_to(self._source, data_state)
+                move_to(self._source, DataPosition.from_dict(data_state))
             except ValueError:
                 self._source.close()
                 raise
-        self.committed = snapshot(self._source)  # where the next batch to step on comes from
+        self.committed = DataPosition.of(self._source)  # where the next batch to step on comes from
         self.pending: Any = None  # the batch handed out last
         self.pending_position = self.committed  # where the batch after it comes from
         self.stepped = True  # whether the network's step on `pending` has finished
@@ -200,10 +200,10 @@ class _HostFeed:
 
     @property
     def step(self) -> int:
-        return self.committed["step"]
+        return self.committed.step
 
     def data_state(self) -> dict[str, Any]:
-        return dict(self.committed)
+        return self.committed.to_dict()
 
     def pull(self) -> Any:
         """The batch to step on next: a new one, or again the last if its step did not finish."""
@@ -212,7 +212,7 @@ class _HostFeed:
                 move_to(self._source, self.committed)
             self._reading = True
             batch = next(self._source)
-            position = snapshot(self._source)
+            position = DataPosition.of(self._source)
             self.pending, self.pending_position, self.stepped = batch, position, False
             self._reading = False  # (no call since the stores: no Ctrl-C in between)
         return self.pending
