@@ -44,7 +44,7 @@ from sink_sizes import SIZES, device_scan, device_step, plain, sinkax_run  # noq
 
 sinkax.set_context(device_target="Emulated")  # every run below: sinks, jit, device_put
 EMU = jax.devices(pjrt.EMULATED_PLATFORM)[0]
-assert sinkax.context.default_device() == EMU
+assert sinkax.backend.default_device() == EMU
 
 
 def timed(run):

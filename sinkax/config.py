@@ -24,7 +24,7 @@ import jax
 from jax.sharding import Sharding
 
 from sinkax import placement
-from sinkax.backend import TARGETS, resolve_device
+from sinkax.backend import TARGETS, default_device, resolve_device
 
 MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
 
@@ -60,15 +60,6 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
         raise ValueError(
             f"max_chunk_bytes must be a number of bytes >= 1, got {max_chunk_bytes!r}."
         )
-
-
-def default_device() -> jax.Device:
-    """JAX's default device: ``jax_default_device`` when set (``sinkax.set_context`` sets it),
-    else the first local device."""
-    device = jax.config.jax_default_device
-    if isinstance(device, str):  # a platform name
-        return jax.local_devices(backend=device)[0]
-    return device or jax.local_devices()[0]
 
 
 def sink_device(device: jax.Device | str) -> jax.Device:

@@ -28,7 +28,7 @@ if os.environ.get("SINKAX_TEST_DEVICE"):
 
 def default_backend() -> sinkax.backend.Backend:
     """What the tests' default device can do (CPU, or the emulated device)."""
-    return sinkax.backend.backend_of(sinkax.context.default_device())
+    return sinkax.backend.backend_of(sinkax.backend.default_device())
 
 
 def one_step_strategy() -> str:

@@ -30,7 +30,7 @@ import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sinkax import context, interrupt, placement
+from sinkax import backend, context, interrupt, placement
 from sinkax.backend import backend_of
 from sinkax.channel.position import DataPosition, move_to
 from sinkax.channel.source import as_source
@@ -269,7 +269,7 @@ class _HostNet:
         self._feed = feed
         options = context.sink_options(options)  # what data_sink fills in, the same way
         self._sharding = placement.resolve(
-            options.get("device"), options.get("sharding"), context.default_device
+            options.get("device"), options.get("sharding"), backend.default_device
         )
         devices = placement.devices(self._sharding)
         name = strategies.resolve(  # "step" on one device, "eager" without jit
