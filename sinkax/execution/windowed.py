@@ -43,8 +43,8 @@ class Strategy(Protocol):
 
 class Windowed(abc.ABC):
     """A strategy that runs a window through the carry ``(state, outs, i, j)`` of
-    :func:`~sinkax.executable.step_program` (batch ``i`` into row ``j`` of ``outs``), so that
-    :class:`Auto` can run one window partly with each candidate.
+    :func:`~sinkax.execution.programs.step_program` (batch ``i`` into row ``j`` of ``outs``), so
+    that :class:`~sinkax.execution.auto.Auto` can run one window partly with each candidate.
 
     :meth:`executable` compiles (nothing runs), :meth:`advance` runs ``n`` steps of the carry.
     """
@@ -77,7 +77,7 @@ class Windowed(abc.ABC):
         if out is None:
             key = ("out_shape", layout((state, chunk)))
             out = self._compiler.memo(key, lambda: out_shape(self._fn, state, chunk))
-        where = placement.replicated(_sharding(chunk))
+        where = placement.replicated(placement.of(chunk))
         outs = stacked_zeros(out, steps, where)
         return (state, *jax.device_put((outs, np.int32(offset), np.int32(0)), where))
 
@@ -103,15 +103,11 @@ def loop_body(fn: StepFn, backend: Backend) -> StepFn:
     return canonical_convs(fn) if backend.xla_cpu else fn
 
 
-def _sharding(chunk: Any) -> jax.sharding.Sharding:
-    return jax.tree.leaves(chunk)[0].sharding
-
-
 class Scan(Windowed):
-    """All steps of a window in one executable (:func:`~sinkax.executable.window_program`).
+    """All steps of a window in one executable (:func:`~sinkax.execution.programs.window_program`).
 
     On a CPU device the step's convolutions are put in XLA:CPU's canonical layout first (see
-    :mod:`sinkax.rewrite`): inside a loop body XLA:CPU does not do that itself.
+    :mod:`sinkax.execution.rewrite`): inside a loop body XLA:CPU does not do that itself.
     """
 
     name = "scan"
@@ -121,7 +117,7 @@ class Scan(Windowed):
 
     def executable(self, carry: Any, chunk: Any, steps: int) -> Any:
         def program():
-            return window_program(loop_body(self._fn, backend_of(_sharding(chunk))))
+            return window_program(loop_body(self._fn, backend_of(placement.of(chunk))))
 
         return self._compiler.get("scan", steps, program, carry, chunk, np.int32(steps))
 
@@ -141,7 +137,7 @@ class Loop(Windowed):
         return self._compiler.get("step", steps, lambda: step_program(self._fn), carry, chunk)
 
     def advance(self, executable: Any, carry: Any, chunk: Any, n: int) -> Any:
-        sharding = _sharding(chunk)
+        sharding = placement.of(chunk)
         devices = sharding.device_set
         bounded = len(devices) > 1 and backend_of(sharding).xla_cpu
         for i in range(n):
