@@ -140,7 +140,7 @@ class Executor:
         arrays, static = self._partition(state) if stateful else ((), None)
         if self._stateful is None:
             check_step_form(self.fn, stateful)
-            self._stateful, self._static = stateful, static
+            self._static = static
             fn = self.fn if stateful else stateless(self.fn)
             if static is not None:  # an equinox module, say: compile around its functions
                 fn = with_static(fn, static)
@@ -149,6 +149,7 @@ class Executor:
             self._strategy = strategies.make(self.chosen, fn, self.compiler)
             if self._reselect:
                 self._strategy.reselect()
+            self._stateful = stateful  # last: a first call interrupted before makes it all again
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")
