@@ -97,6 +97,7 @@ class SinkConfig:
     timeout: float
     sharding: Sharding  # of one batch
     save_graphs: str | None
+    ragged_last: bool
 
     @classmethod
     def of(
@@ -111,6 +112,7 @@ class SinkConfig:
         device: jax.Device | str | None = None,
         sharding: Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
+        ragged_last: bool = False,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
@@ -125,6 +127,7 @@ class SinkConfig:
                 None if device is None else sink_device(device), sharding, default_device
             ),
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
+            ragged_last=bool(ragged_last),
         )
 
     def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:

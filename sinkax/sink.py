@@ -282,6 +282,9 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         Across ``jax.distributed`` processes each process's dataset yields its own part of
         every global batch (see :mod:`sinkax.distributed`).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
+      ragged_last: each epoch's last batch may have fewer rows (a dataset batched without
+        ``drop_remainder``; its length must be known); needs ``sink_size=1`` and
+        ``strategy="step"`` -- each batch its own executable -- as non-sink mode runs.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.

@@ -966,3 +966,26 @@ def test_a_full_pass_of_a_plain_list_ends_the_epoch(batches):
         assert (sink.epoch, sink.step) == (1, 0)
         sink(state)
         assert (sink.epoch, sink.step) == (2, 0)
+
+
+def test_ragged_last_takes_each_epochs_smaller_last_batch_and_only_that(batches):
+    ragged = [*batches[:3], {k: v[:5] for k, v in batches[3].items()}]
+    with sinkax.data_sink(train_step, ragged, 1, strategy="step", ragged_last=True) as sink:
+        state, losses = init_state(), []
+        for _ in range(8):  # two epochs
+            state, loss = sink(state)
+            losses.append(float(loss[0]))
+        assert sink.epoch == 2 and sink.step == 0
+    np.testing.assert_allclose(losses, reference_run(ragged, 8)[1], rtol=1e-5)
+    with sinkax.data_sink(train_step, ragged, 1, strategy="step") as sink:  # not asked for
+        for _ in range(3):
+            sink(init_state())
+        with pytest.raises(sinkax.BatchSpecError, match="drop_remainder=True"):
+            sink(init_state())
+    early = [batches[0], {k: v[:5] for k, v in batches[1].items()}, *batches[2:4]]
+    with sinkax.data_sink(train_step, early, 1, strategy="step", ragged_last=True) as sink:
+        sink(init_state())
+        with pytest.raises(sinkax.BatchSpecError, match=r"epoch 0, step 1"):
+            sink(init_state())
+    with pytest.raises(ValueError, match=r"ragged_last=True .* would run 'scan'.*strategy='step'"):
+        sinkax.data_sink(train_step, ragged, 1, strategy="scan", ragged_last=True)

@@ -61,7 +61,7 @@ class Cursor:
         feed: str = "stacked",
         data_state: DataPosition | None = None,
     ):
-        self._source, self._packer = source, packers.of(feed, config.sharding)
+        self._source, self._packer = source, packers.of(feed, config.sharding, config.ragged_last)
         self._plan = functools.partial(
             plan, config.sink_size, source.epoch_length, config.max_chunk_bytes
         )

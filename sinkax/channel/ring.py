@@ -186,7 +186,10 @@ class DeviceRing:
                 for _ in range(piece_steps):
                     where = self._source.position
                     batch = pending.popleft() if pending else self._read()
-                    leaves = batch.leaves if isinstance(batch, _Row) else check(spec, batch, where)
+                    last = self.packer.ragged_last and where.step + 1 == self._source.epoch_length
+                    leaves = (
+                        batch.leaves if isinstance(batch, _Row) else check(spec, batch, where, last)
+                    )
                     with self._lock:
                         if build.taken is not None:  # the batch starts the next chunk
                             self._building = None

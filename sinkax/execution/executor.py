@@ -66,6 +66,14 @@ class Executor:
             ),
             recorded,
         )
+        self.ragged_last = config.ragged_last
+        if self.ragged_last and self.feed != "unstacked":
+            raise ValueError(
+                "ragged_last=True takes an epoch's smaller last batch as it comes, which only "
+                "the 'step' strategy can: it runs each batch as its own executable, where the "
+                f"others stack batches. This sink would run {self.chosen!r}: pass sink_size=1 "
+                "and strategy='step' (one device, jit=True), or batch with drop_remainder=True."
+            )
         self.compiler = Compiler(fn, save_graphs=config.save_graphs)
         self.dispatches = 0
         self._strategy: Any = None
@@ -146,7 +154,8 @@ class Executor:
                 fn = with_static(fn, static)
                 self.compiler.specialise(static.key)
             self._step = fn
-            self._strategy = strategies.make(self.chosen, fn, self.compiler)
+            alike = not self.ragged_last  # else the step's executable is looked up per batch
+            self._strategy = strategies.make(self.chosen, fn, self.compiler, batches_alike=alike)
             if self._reselect:
                 self._strategy.reselect()
             self._stateful = stateful  # last: a first call interrupted before makes it all again
