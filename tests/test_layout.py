@@ -96,3 +96,17 @@ def test_the_checks_find_a_cycle_and_a_long_module(tmp_path):
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
     assert graph["pkg.c"] == set()  # type-checking imports run nothing
     assert long_modules(package, limit=2) == {"pkg.c": 3}
+
+
+def test_the_train_layer_runs_on_the_public_sink_api():
+    # non-sink mode is a Sink too: no second copy of the core's call sequence in train/
+    graph = import_graph(PACKAGE)
+    core = ("sinkax.execution", "sinkax.interrupt", "sinkax.placement", "sinkax.channel.")
+    reached = {
+        (module, dep)
+        for module, deps in graph.items()
+        if module.startswith("sinkax.train")
+        for dep in deps
+        if dep.startswith(core) and dep != "sinkax.channel.source"
+    }
+    assert not reached, "train/ reaches into the core"
