@@ -28,6 +28,8 @@ from conftest import (
     indexed_map_dataset,
     init_state,
     one_step_strategy,
+    producer_threads,
+    producers_left,
     reference_run,
     regression_batches,
     train_step,
@@ -419,25 +421,25 @@ def test_a_stalled_pipeline_times_out_with_a_diagnosis(batches):
 
 
 class BlocksAfter:
-    """The batches, but reading the ``n``-th blocks until ``unblock`` is set."""
+    """The batches, but reading the ``n``-th blocks until ``unblock`` is set (``at_gate`` says
+    a reader got there)."""
 
     def __init__(self, batches, n):
         self.batches, self.n, self.unblock = batches, n, threading.Event()
+        self.at_gate = threading.Event()
 
     def __iter__(self):
         for i, batch in enumerate(self.batches):
             if i == self.n:
+                self.at_gate.set()
                 self.unblock.wait()
             yield batch
 
 
-def producer_threads():
-    return [t for t in threading.enumerate() if t.name == "sinkax-producer"]
-
-
 def test_close_does_not_wait_forever_for_a_blocked_dataset(batches):
-    dataset = BlocksAfter(batches, 3)
+    before, dataset = producer_threads(), BlocksAfter(batches, 3)
     sink = sinkax.data_sink(train_step, dataset, 1, timeout=0.3)
+    assert dataset.at_gate.wait(60)  # batches 0-2 are read, however slow the machine
     state = init_state()
     with pytest.raises(sinkax.SinkTimeoutError):
         for _ in range(4):
@@ -445,18 +447,16 @@ def test_close_does_not_wait_forever_for_a_blocked_dataset(batches):
     t0 = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="still inside the dataset's iterator 0.3 s"):
         sink.close()
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 30  # it waited its timeout, 0.3 s, not for the dataset
     dataset.unblock.set()  # the dataset returns: the daemon producer ends on its own
-    for thread in producer_threads():
-        thread.join(5)
-    assert not producer_threads()
+    assert not producers_left(before)
 
 
 def test_rewinding_waits_for_a_blocked_dataset_and_loses_nothing(batches):
     dataset = BlocksAfter(batches, 3)
     with sinkax.data_sink(train_step, dataset, 1, timeout=0.3) as sink:
         state, first = sink(init_state())
-        time.sleep(0.1)  # the producer reads ahead, into the blocking batch
+        assert dataset.at_gate.wait(60)  # the producer reads ahead, into the blocking batch
         with pytest.raises(sinkax.SinkTimeoutError, match="rewinding the data"):
             sink.restore_data_state(sink.data_state())
         dataset.unblock.set()
