@@ -313,6 +313,7 @@ class DeviceRing:
         :class:`~sinkax.errors.SinkClosedError`.
         """
         self._stopped = True
+        self._free.put(None)  # wakes a producer waiting for a slot now, not at its next poll
         self._ready.put(_Closed())  # wakes a waiting consumer now, not after the join
         waits = threading.current_thread() is not self._thread  # (collected in its own thread)
         if waits and not self._ended and self._running.acquire(timeout=timeout):
