@@ -20,6 +20,19 @@ import pytest
 import sinkax
 import sinkax.pjrt
 
+# jax's persistent compilation cache: a program compiled once in the session (by any test, or by
+# the subprocesses of the notebook, example and CLI tests, which inherit the environment) is
+# read back instead of compiled again; kept between sessions (.jax_cache/, git-ignored).
+CACHE_SETTINGS = {
+    "jax_compilation_cache_dir": os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
+    ),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,  # the suite's programs compile fast
+}
+for _name, _value in CACHE_SETTINGS.items():
+    os.environ[_name.upper()] = str(_value)
+    jax.config.update(_name, _value)
+
 # The emulated device (sinkax.pjrt) is registered before jax's backends start, for test_pjrt.py.
 # SINKAX_TEST_DEVICE=Emulated makes it every test's default device: `make test` runs the sink and
 # Model tests that way too, where device memory is not host memory.
