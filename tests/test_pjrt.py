@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import init_state, needs_plugin, reference_run, regression_batches, train_step
+from jax.experimental.compilation_cache import compilation_cache
 
 import sinkax
 from sinkax import pjrt
@@ -35,9 +36,14 @@ def emu():
 
 @pytest.fixture
 def counting():
-    """No emulated costs during the test (the counts do not depend on them)."""
+    """No emulated costs during the test (the counts do not depend on them), and no persistent
+    compilation cache (see conftest): a program read back from it is no compile to the device."""
     pjrt.set_costs("counting")
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # jax decides whether to use it once, at the next compile
     yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
     pjrt.set_costs(os.environ.get("SINKAX_TEST_PRESET", "pcie4-x16"))
 
 

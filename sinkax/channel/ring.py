@@ -188,7 +188,10 @@ class DeviceRing:
                 for _ in range(piece_steps):
                     where = self._source.position
                     batch = pending.popleft() if pending else self._read()
-                    leaves = batch.leaves if isinstance(batch, _Row) else check(spec, batch, where)
+                    last = self.packer.ragged_last and where.step + 1 == self._source.epoch_length
+                    leaves = (
+                        batch.leaves if isinstance(batch, _Row) else check(spec, batch, where, last)
+                    )
                     with self._lock:
                         if build.taken is not None:  # the batch starts the next chunk
                             self._building = None
@@ -313,6 +316,7 @@ class DeviceRing:
         :class:`~sinkax.errors.SinkClosedError`.
         """
         self._stopped = True
+        self._free.put(None)  # wakes a producer waiting for a slot now, not at its next poll
         self._ready.put(_Closed())  # wakes a waiting consumer now, not after the join
         waits = threading.current_thread() is not self._thread  # (collected in its own thread)
         if waits and not self._ended and self._running.acquire(timeout=timeout):
