@@ -4,13 +4,12 @@ The producer pulls batches from a :class:`~sinkax.channel.source.Source`, checks
 the first batch's :class:`~sinkax.spec.BatchSpec`, hands it to the ring's packer
 (:mod:`sinkax.channel.packers`: stacked into a slot's staging buffers and put on the device, or
 copied and handed over unstacked, as the strategy's ``feed`` asks) and queues the chunk, ahead of
-the consumer. There are ``prefetch + 1`` slots. A chunk holds its slot from the moment the
-producer starts filling it until the consumer says its compute has finished
-(:meth:`DeviceRing.release`), so at most ``prefetch + 1`` chunks are ever on the device:
-``prefetch`` ready ahead and one being computed on.
+the consumer. A chunk holds one of the ``prefetch + 1`` slots from the moment the producer
+starts filling it until the consumer says its compute has finished (:meth:`DeviceRing.release`):
+at most ``prefetch + 1`` chunks are on the device, ``prefetch`` ready and one computed on.
 
-The producer follows a plan (:mod:`sinkax.channel.plan`) and reads nothing past what it asks
-for; each piece records the source position and state after its last batch.
+It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
+the source position and state after its last batch.
 
 A consumer that finds no chunk ready takes the complete pieces of the chunk being filled (a
 *cut*; the producer carries the batches it read past them over to its next chunk), so a batch
