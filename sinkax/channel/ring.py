@@ -309,10 +309,9 @@ class DeviceRing:
     def close(self, timeout: float) -> bool:
         """Stop the producer, drop the queued chunks; whether the producer ended in ``timeout`` s.
 
-        The producer stops between two batches; one blocked inside the dataset's ``next`` stays
-        until that returns (a daemon thread: it never holds up the interpreter's exit), then
-        closes the source and ends. A call waiting in :meth:`get` fails with
-        :class:`~sinkax.errors.SinkClosedError`.
+        The producer stops between two batches; one blocked in the dataset's ``next`` (a daemon
+        thread: it never holds up the interpreter's exit) closes the source and ends once that
+        returns. A call waiting in :meth:`get` fails with :class:`~sinkax.SinkClosedError`.
         """
         self._stopped = True
         self._free.put(None)  # wakes a producer waiting for a slot now, not at its next poll
