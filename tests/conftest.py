@@ -53,6 +53,12 @@ def default_backend() -> sinkax.backend.Backend:
     return sinkax.backend.backend_of(sinkax.backend.default_device())
 
 
+# "auto" measures its candidates only where XLA:CPU compiles; on a GPU it is "scan" at once
+auto_measures = pytest.mark.skipif(
+    not default_backend().xla_cpu, reason='"auto" measures only where XLA:CPU compiles'
+)
+
+
 def one_step_strategy() -> str:
     """What ``"auto"`` settles to for one-step sinks on the default device, without measuring."""
     return "step" if default_backend().host_is_device else "scan"

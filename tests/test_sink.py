@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    auto_measures,
     collect_index,
     ctrl_c_at_check,
     default_backend,
@@ -684,6 +685,7 @@ def measured(sink, state):
     return state, calls
 
 
+@auto_measures
 def test_auto_decides_after_a_window_of_each_and_compiles_one_executable_each(batches, monkeypatch):
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
@@ -705,6 +707,7 @@ def test_auto_decides_after_a_window_of_each_and_compiles_one_executable_each(ba
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
 
 
+@auto_measures
 def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
     with sinkax.data_sink(functools.partial(train_step), batches, 4) as sink:
         state, _ = sink(init_state())  # a window far shorter than a trial
@@ -716,6 +719,7 @@ def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
     assert set(stats.strategy_timings) == {"scan", "loop"}
 
 
+@auto_measures
 def test_auto_reuses_the_decision_for_the_step_until_reselect(batches, monkeypatch):
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     step = functools.partial(train_step)
@@ -750,6 +754,7 @@ def test_the_callers_state_is_donated_alike_while_measuring_and_after(batches, s
             assert all(x.is_deleted() for x in jax.tree.leaves(given))
 
 
+@auto_measures
 def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:

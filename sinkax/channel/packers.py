@@ -130,7 +130,8 @@ class Stacked:
         data = placement.put(jax.tree_util.tree_unflatten(spec.treedef, rows), self._sharding)
         if not whole:
             data = self._pad(data, capacity)
-        jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
+        # not waiting for the transfer: the producer fills the next slot meanwhile, and a slot's
+        # staging is reused only once the compute on its chunk (so its transfer) is done
         return data, sum(buffer.nbytes for buffer in rows), not whole
 
     def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
