@@ -24,7 +24,7 @@ import jax
 from jax.sharding import Sharding
 
 from sinkax import placement
-from sinkax.backend import TARGETS, resolve_device
+from sinkax.backend import TARGETS, default_device, resolve_device
 from sinkax.channel.sizing import check_call_seconds
 from sinkax.execution import progress as progress_hook
 from sinkax.execution.guard import Watch, watcher
@@ -82,15 +82,6 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
         )
 
 
-def default_device() -> jax.Device:
-    """JAX's default device: ``jax_default_device`` when set (``sinkax.set_context`` sets it),
-    else the emulated device where ``SINKAX_PJRT`` selects it, else the first local device."""
-    device = jax.config.jax_default_device
-    if isinstance(device, str):  # a platform name
-        return jax.local_devices(backend=device)[0]
-    return device or resolve_device()
-
-
 def sink_device(device: jax.Device | str) -> jax.Device:
     """``device``; a target or platform name (``"CPU"``, ``"cpu"``, ``"gpu"``) is its first
     device.
@@ -126,6 +117,7 @@ class SinkConfig:
     timeout: float
     sharding: Sharding  # of one batch
     save_graphs: str | None
+    ragged_last: bool
     calls: int | None = None  # the calls the sink will make, when known
     stop_if_nonfinite: Watch = None  # what is checked, see sinkax.execution.guard.watcher
     progress: progress_hook.Hook | None = None  # see sinkax.execution.progress
@@ -146,6 +138,7 @@ class SinkConfig:
         sharding: Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         calls: int | None = None,
+        ragged_last: bool = False,
         stop_if_nonfinite: Watch = None,
         progress: progress_hook.Hook | None = None,
         progress_every: int = 100,
@@ -184,6 +177,7 @@ class SinkConfig:
             ),
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
             calls=None if calls is None else int(calls),
+            ragged_last=bool(ragged_last),
             stop_if_nonfinite=stop_if_nonfinite or None,
             progress=progress,
             progress_every=int(progress_every),

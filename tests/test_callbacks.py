@@ -109,6 +109,12 @@ def test_progress_bar_advances_by_the_steps_of_each_sink():
     assert "12/12" in stream.getvalue()
 
 
+def test_progress_bar_without_a_sink_counts_each_step_once():
+    bar = ProgressBar(file=io.StringIO())
+    new_model().train(2, blobs(5), callbacks=bar, dataset_sink_mode=False)
+    assert bar.bar.total == 10 and bar.bar.n == 10
+
+
 def test_model_checkpoint_keeps_the_last_n_every_m_epochs(tmp_path):
     checkpoint = ModelCheckpoint(tmp_path, keep_last=2, save_every_epochs=2)
     new_model().train(6, shuffled_blobs(3), callbacks=checkpoint)  # saves at epochs 2, 4, 6

@@ -21,6 +21,7 @@ committed position (a *resync*), so no batch is skipped and none repeated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import weakref
@@ -33,10 +34,10 @@ from sinkax import interrupt
 from sinkax.channel import packers
 from sinkax.channel.chunk import Chunk, Piece
 from sinkax.channel.plan import plan
-from sinkax.channel.position import check_data_state, move_to
+from sinkax.channel.position import DataPosition, check_fits, move_to
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.sizing import CallSizer
-from sinkax.channel.source import Source, snapshot
+from sinkax.channel.source import Source
 from sinkax.config import AUTO, SinkConfig
 from sinkax.errors import SinkTimeoutError, warn
 from sinkax.spec import BatchSpec
@@ -59,9 +60,9 @@ class Cursor:
         config: SinkConfig,
         *,
         feed: str = "stacked",
-        data_state: dict[str, Any] | None = None,
+        data_state: DataPosition | None = None,
     ):
-        self._source, self._packer = source, packers.of(feed, config.sharding)
+        self._source, self._packer = source, packers.of(feed, config.sharding, config.ragged_last)
         self.sizer = None  # sink_size="auto"
         if config.sink_size == AUTO:
             self.sizer = CallSizer(config.call_seconds, source.epoch_length)
@@ -73,7 +74,7 @@ class Cursor:
             move_to(source, data_state)
             if self.sizer:
                 self.sizer.restore(data_state)
-        self._committed = snapshot(source)
+        self._committed = DataPosition.of(source)
         self._chunk: Chunk | None = None  # being consumed, piece by piece
         self._piece = self._offset = 0
         self._in_flight: Any = None  # the outputs of the last window dispatched
@@ -88,12 +89,12 @@ class Cursor:
     @property
     def epoch(self) -> int:
         """Epoch of the next batch (from 0)."""
-        return self._committed["epoch"]
+        return self._committed.epoch
 
     @property
     def step(self) -> int:
         """Step within :attr:`epoch` of the next batch (from 0)."""
-        return self._committed["step"]
+        return self._committed.step
 
     @property
     def epoch_length(self) -> int | None:
@@ -124,15 +125,13 @@ class Cursor:
             "call_sizes": tuple(self.sizer.sizes) if self.sizer else None,
         }
 
-    def data_state(self) -> dict[str, Any]:
+    @property
+    def position(self) -> DataPosition:
         """The committed position (see ``Sink.data_state``), with ``sink_size="auto"``'s target
-        steps per call (``"call_steps"``)."""
-        state = dict(self._committed)
-        if self.epoch_length is not None:
-            state["epoch_length"] = self.epoch_length
-        if self.sizer:
-            state["call_steps"] = self.sizer.target
-        return state
+        steps per call (``call_steps``)."""
+        if self.sizer is None:
+            return self._committed
+        return dataclasses.replace(self._committed, call_steps=self.sizer.target)
 
     def first_spec(self) -> BatchSpec:
         """The layout of every batch, waiting up to ``timeout`` for the first."""
@@ -182,11 +181,10 @@ class Cursor:
         """The call that ended with ``piece`` delivers its results: its position is committed;
         an auto sink measures it unless not ``measure`` (it compiled)."""
         self._count_call(measure)
-        self._committed = {
-            "epoch": piece.position.epoch,
-            "step": piece.position.step,
-            "source": piece.source_state,
-        }
+        where = piece.position
+        self._committed = DataPosition(
+            where.epoch, where.step, piece.source_state, self.epoch_length
+        )
 
     def stop(self) -> None:
         """The call ends early, its results delivered: commit the position after the batches it
@@ -208,7 +206,7 @@ class Cursor:
         for _ in range(kept):
             next(self._source)
         self._count_call()
-        self._committed = snapshot(self._source)
+        self._committed = DataPosition.of(self._source)
         self._start_ring()
         self._resync = False
 
@@ -297,8 +295,8 @@ class Cursor:
 
     def _stop_ring(self) -> bool:
         """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
+        self._chunk = None  # before its slot is freed: see _current_chunk
         self._finish_in_flight()
-        self._chunk = None
         self._finalizer.detach()
         return self._ring.close(self.timeout)
 
@@ -310,12 +308,12 @@ class Cursor:
             "indefinitely should time out by itself."
         )
 
-    def rewind(self, state: dict[str, Any]) -> None:
+    def rewind(self, state: DataPosition) -> None:
         """Continue from the position ``state`` (see ``Sink.data_state``); drops the prefetched
         chunks. ``ValueError`` if it does not fit the dataset (the cursor then stays where it
         was); if interrupted, the next :meth:`resync` finishes the rewind to the committed
         position."""
-        check_data_state(self._source, state)  # before the producer stops: a one-shot
+        check_fits(self._source, state)  # before the producer stops: a one-shot
         # iterator's producer cannot be restarted where it was
         self._resync = True  # until a producer runs from `_committed` again
         if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
@@ -329,11 +327,11 @@ class Cursor:
                 self.sizer.restore(state)
         except ValueError:  # the cursor stays where it was, its producer running
             with contextlib.suppress(Exception):
-                self._source.set_state(self._committed["source"])
+                self._source.set_state(dict(self._committed.source))
             self._start_ring()
             self._resync = False
             raise
-        self._committed = snapshot(self._source)
+        self._committed = DataPosition.of(self._source)
         self._start_ring()
         self._resync = False
 

@@ -10,8 +10,8 @@ shared by every call size. After each call the target follows the call's measure
 epoch; a call that compiled is not measured. The granule follows the target (an
 :data:`GRANULES`-th of it), lagging by the chunks the producer has read ahead.
 
-The target is part of the data position (``"call_steps"``): a resumed sink starts at the size
-the saved one had reached, not small again.
+The target is part of the data position (``DataPosition.call_steps``): a resumed sink starts
+at the size the saved one had reached, not small again.
 
 >>> sizer = CallSizer(call_seconds=1.0, epoch_length=None)
 >>> sizer.target, sizer.granule()
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sinkax.channel.position import DataPosition
 from sinkax.channel.source import Position
 
 GROWTH = 8  # a call's target grows or shrinks at most this much per call
@@ -54,16 +55,6 @@ def check_call_seconds(call_seconds: Any) -> float:
     return float(call_seconds)
 
 
-def check_target(call_steps: Any) -> int:
-    """A saved target (``data_state["call_steps"]``) as an int >= 1, else a ``ValueError``."""
-    if isinstance(call_steps, bool) or not isinstance(call_steps, int) or call_steps < 1:
-        raise ValueError(
-            "data_state['call_steps'] must be the steps per call a sink_size='auto' sink had "
-            f"reached (an int >= 1, what Sink.data_state() records), got {call_steps!r:.100}."
-        )
-    return call_steps
-
-
 class CallSizer:
     """The target steps of an auto sink's calls, from their measured times (see the module
     docstring); ``target`` to start from (a saved one), ``clock`` default :data:`now`."""
@@ -81,10 +72,10 @@ class CallSizer:
         self._clock = clock or now
         self._last_end: float | None = None  # when the last call ended
 
-    def restore(self, data_state: dict[str, Any]) -> None:
-        """Continue at the target a saved position recorded (``ValueError`` if it is bad)."""
-        if "call_steps" in data_state:
-            self.target = self._bounded(check_target(data_state["call_steps"]))
+    def restore(self, data_state: DataPosition) -> None:
+        """Continue at the target a saved position recorded, if it has one."""
+        if data_state.call_steps is not None:
+            self.target = self._bounded(data_state.call_steps)
 
     def enough(self, steps: int, position: Position) -> bool:
         """Whether a call that has run ``steps`` up to ``position`` (the batch after its last

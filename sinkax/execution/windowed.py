@@ -62,11 +62,6 @@ def scan_window(fn: StepFn, backend: Backend, steps: int) -> Any:
     return scan_program(loop_body(fn, backend), steps)
 
 
-def chunk_sharding(chunk: Any) -> jax.sharding.Sharding:
-    """Where ``chunk`` is (the sharding of its first leaf)."""
-    return jax.tree.leaves(chunk)[0].sharding
-
-
 class Windowed(abc.ABC):
     """A strategy over windows of device-resident chunks: :meth:`executables` compiles what a
     window needs (nothing runs, nothing is donated), :meth:`launch` runs it."""
@@ -107,7 +102,7 @@ class Windowed(abc.ABC):
         end_offset, end = self._end
         if offset == end_offset:
             return end
-        where = placement.replicated(chunk_sharding(chunk))
+        where = placement.replicated(placement.of(chunk))
         key = (offset, where)
         if key not in self._positions:
             self._positions[key] = jax.device_put(np.int32(offset), where)
@@ -148,7 +143,7 @@ class Scan(Windowed):
 
     def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
         def program() -> Any:
-            backend = backend_of(chunk_sharding(chunk))
+            backend = backend_of(placement.of(chunk))
             if self._report is None:
                 return scan_window(self._fn, backend, steps)
             return reporting_scan_program(loop_body(self._fn, backend), steps, *self._report[1:])
@@ -192,7 +187,7 @@ class Loop(Windowed):
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
     ) -> tuple[Any, Any, jax.Array]:
         begin, step = executables
-        sharding = chunk_sharding(chunk)
+        sharding = placement.of(chunk)
         devices = sharding.device_set
         bounded = len(devices) > 1 and backend_of(sharding).xla_cpu
         started, self._started = self._started or begin(start), None

@@ -13,13 +13,14 @@ every step's loss of that sink; in non-sink mode it runs after every step with o
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sinkax.train import checks
 
 if TYPE_CHECKING:
     from sinkax.execution.guard import NonFinite
@@ -111,22 +112,6 @@ class Callback:
         """After the last epoch, or once a stop was requested."""
 
 
-def _optional(module: str, user: str) -> Any:
-    """Import ``module``, an optional dependency, or explain how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"{user} needs {module.split('.')[0]}: pip install 'sinkax[train]'."
-        ) from error
-
-
-def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
-    return value
-
-
 class LossMonitor(Callback):
     """Prints ``epoch: 1 step: 125, loss is 0.0512...`` (the last step's loss).
 
@@ -139,7 +124,7 @@ class LossMonitor(Callback):
     """
 
     def __init__(self, per_print_times: int = 1):
-        self.per_print_times = _check_positive("per_print_times", per_print_times, 0)
+        self.per_print_times = checks.count("per_print_times", per_print_times, 0)
         self._last_print = 0
 
     def on_train_begin(self, run: RunContext) -> None:
@@ -201,14 +186,15 @@ class History(Callback):
 class TerminateOnNaN(Callback):
     """Stops training at the first step whose loss is not finite, keeping the state from before it.
 
-    In sink mode the training sink checks every step on the device
-    (``stop_if_nonfinite="loss"``, see :mod:`sinkax.execution.guard`): the sink returns at the
-    first non-finite step without its update, and the data position is *at* that batch, so a
-    checkpoint holds finite params and a resume reads that batch next. The epoch it cuts short
-    does not end (``on_epoch_end`` does not run). ``stopped_at`` is ``(epoch, step)`` of the
-    non-finite step (both from 1, as printed) and ``batch`` its data position
-    (:class:`~sinkax.execution.guard.NonFinite`). In non-sink mode the step's ``finite`` flag is
-    read after it ran: its update is kept (``batch`` stays ``None``).
+    The training sink -- in non-sink mode too, a sink of one step per call -- checks every step
+    on the device (``stop_if_nonfinite="loss"``, see :mod:`sinkax.execution.guard`): it returns
+    at the first non-finite step without its update, and the data position is *at* that batch,
+    so a checkpoint holds finite params and a resume reads that batch next. The epoch it cuts
+    short does not end (``on_epoch_end`` does not run). ``stopped_at`` is ``(epoch, step)`` of
+    the non-finite step (both from 1, as printed) and ``batch`` its data position
+    (:class:`~sinkax.execution.guard.NonFinite`). With ``stop_if_nonfinite`` turned off in the
+    model's ``sink_options``, the step's ``finite`` flags are read after the sink ran: its
+    updates are kept (``batch`` stays ``None``).
 
     >>> TerminateOnNaN().stopped_at is None
     True
@@ -240,18 +226,19 @@ class TerminateOnNaN(Callback):
 class ProgressBar(Callback):
     """A ``tqdm`` bar over all steps of the run, advanced while each sink runs.
 
-    In sink mode the training sink reports every ``every``-th step from the device as it runs
+    The training sink reports every ``every``-th step from the device as it runs
     (``progress=``, see :mod:`sinkax.execution.progress`), with that step's loss; where the
     device runs no host callbacks (the emulated device) it reports once per sink. In non-sink
-    mode the bar advances after every step. A text bar, in a notebook too: a widget bar's saved
-    output is its text when first shown (``0%``), where a text bar's reads as it ended.
+    mode, a sink of one step per call, the bar advances after every step. A text bar, in a
+    notebook too: a widget bar's saved output is its text when first shown (``0%``), where a
+    text bar's reads as it ended.
 
     >>> ProgressBar().bar is None
     True
     """
 
     def __init__(self, every: int = 100, **tqdm_options: Any):
-        self.every = _check_positive("every", every)
+        self.every = checks.count("every", every)
         self.tqdm_options = tqdm_options
         self.bar: Any = None
         self._epoch = 0
@@ -260,7 +247,7 @@ class ProgressBar(Callback):
         return {"progress": self._advance, "progress_every": self.every}
 
     def on_train_begin(self, run: RunContext) -> None:
-        tqdm = _optional("tqdm.std", "ProgressBar").tqdm
+        tqdm = checks.optional("tqdm.std", "ProgressBar").tqdm
         total = (run.epochs - run.initial_epoch) * (run.steps_per_epoch or 0) or None
         self.bar = tqdm(total=total, unit="step", **self.tqdm_options)
 
@@ -271,10 +258,6 @@ class ProgressBar(Callback):
         """The sink's progress hook: ``steps`` more done, ``out`` the latest one's output."""
         self.bar.update(steps)
         self.bar.set_postfix(epoch=self._epoch, loss=f"{float(out['loss']):.4f}")
-
-    def on_step_end(self, run: RunContext) -> None:
-        if not run.helper.dataset_sink_mode:  # no sink: one step, reported here
-            self._advance(len(run.losses), {"loss": run.losses[-1]})
 
     def on_train_end(self, run: RunContext) -> None:
         jax.effects_barrier()  # the device's last reports reach the bar before it closes
@@ -300,7 +283,7 @@ class EvalCallback(Callback):
         verbose: bool = True,
     ):
         self.dataset = dataset
-        self.every_epochs = _check_positive("every_epochs", every_epochs)
+        self.every_epochs = checks.count("every_epochs", every_epochs)
         self.dataset_sink_mode = dataset_sink_mode
         self.verbose = verbose
         self.results: dict[int, dict[str, float]] = {}
