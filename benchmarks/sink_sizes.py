@@ -140,7 +140,8 @@ def device_scan(w, steps):
 def sinkax_run(w, steps, sink_size, strategy="auto", **options):
     """``(run, strategy)``: ``run()`` creates a sink, makes ``prefetch + 1`` warm calls (the
     chunks prefetched before them are used up), then times about ``steps`` steps in at least 2
-    more calls, and closes the sink; it returns ``(steps, seconds)`` of the timed calls. So no
+    more calls, and closes the sink; it returns ``(steps, seconds)`` of the timed calls and the
+    steps of all its calls. So no
     other sink is open while one is timed, and the timed calls move their data as they would in
     a long run. A first sink, not timed, compiled the executables (shared by later sinks of the
     step) and let ``"auto"`` choose."""
@@ -156,15 +157,18 @@ def sinkax_run(w, steps, sink_size, strategy="auto", **options):
 
     def run():
         nonlocal state
-        with sinkax.data_sink(w.step, w.batches, sink_size, strategy=chosen, **options) as sink:
-            for _ in range(prefetch + 1):
+        warm = prefetch + 1
+        with sinkax.data_sink(  # calls=: nothing is read or moved past the last call
+            w.step, w.batches, sink_size, strategy=chosen, calls=warm + calls, **options
+        ) as sink:
+            for _ in range(warm):
                 state, metrics = sink(state)
             jax.block_until_ready(metrics)
             t0 = time.perf_counter()
             for _ in range(calls):
                 state, metrics = sink(state)
             jax.block_until_ready(metrics)
-            return calls * per_call, time.perf_counter() - t0
+            return calls * per_call, time.perf_counter() - t0, (warm + calls) * per_call
 
     return run, chosen
 
