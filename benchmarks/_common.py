@@ -105,14 +105,15 @@ def fresh(state: Any) -> Any:
     return jax.tree.map(jnp.copy, state)
 
 
-def median_rate(run: Callable[[], int | tuple[int, float]], repeats: int) -> float:
+def median_rate(run: Callable[[], int | tuple[int, float, int]], repeats: int) -> float:
     """Median over ``repeats`` of (steps run) / (seconds), ``run`` returning its step count (it
-    is timed whole) or ``(steps, seconds)`` (it timed the part that counts itself)."""
+    is timed whole) or ``(steps, seconds, all steps)`` (it timed the part that counts itself, of
+    all the steps it ran)."""
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         result = run()
-        steps, seconds = result if isinstance(result, tuple) else (result, None)
+        steps, seconds = result[:2] if isinstance(result, tuple) else (result, None)
         rates.append(steps / (seconds or time.perf_counter() - t0))
     return statistics.median(rates)
 

@@ -27,10 +27,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import jax
-from _common import fresh, save, table, workload
+from _common import fresh, median_rate, save, table, workload
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sink_sizes import sinkax_run
@@ -66,9 +65,7 @@ def interleaved(runs: dict, repeats: int) -> dict[str, float]:
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            t0 = time.perf_counter()
-            steps = run()
-            rates[name].append(steps / (time.perf_counter() - t0))
+            rates[name].append(median_rate(run, 1))
     return {name: statistics.median(r) for name, r in rates.items()}
 
 

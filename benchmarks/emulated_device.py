@@ -57,7 +57,7 @@ def counted(counts):
             before = pjrt.interactions()
             result = run()
             moved = pjrt.interactions() - before
-            steps = result[0] if isinstance(result, tuple) else result
+            steps = result[-1] if isinstance(result, tuple) else result  # every step it ran
             counts[mode] = {
                 f.name: getattr(moved, f.name) / steps for f in dataclasses.fields(moved)
             }

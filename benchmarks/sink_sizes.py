@@ -141,14 +141,16 @@ def device_scan(w, steps):
 def sinkax_run(w, steps, sink_size, strategy="auto", **options):
     """``(run, strategy)``: ``run()`` creates a sink, makes ``prefetch + 1`` warm calls (the
     chunks prefetched before them are used up), then times about ``steps`` steps in at least 2
-    more calls, and closes the sink; it returns ``(steps, seconds)`` of the timed calls. So no
-    other sink is open while one is timed, and the timed calls move their data as they would in
-    a long run. A first sink, not timed, compiled the executables (shared by later sinks of the
-    step) and let ``"auto"`` choose; for ``sink_size="auto"`` the timed sinks start from its
-    data position, at the call size it reached (the steady state, not the first calls)."""
+    more calls, and closes the sink; it returns ``(steps, seconds)`` of the timed calls and the
+    steps of all its calls. So no other sink is open while one is timed, and the timed calls
+    move their data as they would in a long run. A first sink, not timed, compiled the
+    executables (shared by later sinks of the step) and let ``"auto"`` choose; for
+    ``sink_size="auto"`` the timed sinks start from its data position, at the call size it
+    reached (the steady state, not the first calls), and run whole calls past ``steps``."""
     prefetch = options.get("prefetch", 2)
     per_call = {-1: len(w.batches), "auto": 1}.get(sink_size, sink_size)
-    least = max(2 * per_call, steps)  # at least 2 calls; "auto" runs whole calls past it
+    calls = max(2, -(-steps // per_call))  # of a fixed size
+    least = calls * per_call  # the timed calls run until they ran this many steps
     state = fresh(w.init())
     with sinkax.data_sink(w.step, w.batches, sink_size, strategy=strategy, **options) as sink:
         while sink.stats.calls < 2 or sink.stats.strategy.startswith("auto"):
@@ -162,8 +164,13 @@ def sinkax_run(w, steps, sink_size, strategy="auto", **options):
 
     def run():
         nonlocal state
-        with sinkax.data_sink(w.step, w.batches, sink_size, strategy=chosen, **options) as sink:
-            for _ in range(prefetch + 1):
+        warm = prefetch + 1
+        # calls=: nothing is read or moved past the last call ("auto" decides its calls as it runs)
+        bounded = {} if sink_size == "auto" else {"calls": warm + calls}
+        with sinkax.data_sink(
+            w.step, w.batches, sink_size, strategy=chosen, **bounded, **options
+        ) as sink:
+            for _ in range(warm):
                 state, metrics = sink(state)
             jax.block_until_ready(metrics)
             t0, done = time.perf_counter(), 0
@@ -171,7 +178,7 @@ def sinkax_run(w, steps, sink_size, strategy="auto", **options):
                 state, metrics = sink(state)
                 done += len(metrics["loss"])
             jax.block_until_ready(metrics)
-            return done, time.perf_counter() - t0
+            return done, time.perf_counter() - t0, sink.stats.steps
 
     return run, chosen
 

@@ -11,9 +11,9 @@ at most ``prefetch + 1`` chunks are on the device, ``prefetch`` ready and one co
 It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
 the source position and state after its last batch.
 
-A consumer that finds no chunk ready takes the complete pieces of the chunk being filled (a
-*cut*; the producer carries the batches it read past them over to its next chunk), so a batch
-slow to arrive never holds back a call whose batches were all read; and its wait for data lasts
+A consumer that finds no chunk ready within :data:`CUT_AFTER_S` takes the complete pieces of the
+chunk being filled (a *cut*; the producer carries the batches it read past them over to its next
+chunk), so a slow batch never holds back a call whose batches were all read; its wait lasts
 until the producer has read no batch for ``timeout`` seconds. The consumer side uses C queues
 and plain locks only, never an ``Event`` or ``Condition``, whose Python code a Ctrl-C in the
 consumer can interrupt half done.
@@ -38,6 +38,8 @@ from sinkax.channel.plan import Layout, Plan
 from sinkax.channel.source import Source
 from sinkax.errors import SinkClosedError, SinkExhaustedError, SinkTimeoutError
 from sinkax.spec import BatchSpec, check
+
+CUT_AFTER_S = 0.02  # a consumer waits this long for a whole chunk before it takes a part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,12 +171,11 @@ class DeviceRing:
         consumer cut it short and took it, see :meth:`_cut`): returns the pieces left over and
         the batches read for them.
 
-        A chunk goes out early, after any complete piece, when the consumer is already waiting
-        or when it is the first; and a consumer that starts waiting while the producer is
-        inside the dataset takes the complete pieces itself. So a slow batch never holds back
-        a call whose batches were all read. If reading fails, the pieces completed so far still
-        go out before the error. The whole staging buffer is always transferred, so executables
-        see one chunk shape.
+        A chunk goes out early, after any complete piece, when it is the first or the consumer
+        has waited :data:`CUT_AFTER_S`; such a consumer also takes the complete pieces itself
+        while the producer is inside the dataset. So a slow batch never holds back a call whose
+        batches were all read. If reading fails, the pieces completed so far still go out
+        before the error. (The packer pads a short chunk to one shape on the device.)
         """
         spec = self.spec
         assert spec is not None
@@ -266,7 +267,6 @@ class DeviceRing:
     def get(self, timeout: float) -> Chunk:
         """The next chunk; re-raises a producer error; ``SinkTimeoutError`` once the producer
         has read no batch for ``timeout`` seconds; ``SinkClosedError`` once closed."""
-        self._consumer_waiting = True
         try:
             item = self._wait(timeout)
         finally:
@@ -283,14 +283,14 @@ class DeviceRing:
         return chunk
 
     def _wait(self, timeout: float) -> Any:
-        try:
-            return self._ready.get_nowait()
-        except queue.Empty:
-            pass
+        start = time.monotonic()
+        try:  # a whole chunk, unless the producer is slow (a cut one is padded on the device)
+            return self._ready.get(timeout=min(CUT_AFTER_S, timeout))
+        except queue.Empty:  # from here on the producer sends complete pieces as they are
+            self._consumer_waiting = True
         cut = self._cut()
         if cut is not None:
             return cut
-        start = time.monotonic()
         while True:  # the wait starts again whenever a batch arrives
             left = max(self.last_progress, start) + timeout - time.monotonic()
             if left <= 0:
