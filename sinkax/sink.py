@@ -34,7 +34,7 @@ from sinkax.channel.source import as_source
 from sinkax.config import SinkConfig
 from sinkax.errors import SinkClosedError
 from sinkax.execution.executor import NO_STATE, Executor, recorded_strategy
-from sinkax.pytree import concat_trees, copy_tree
+from sinkax.pytree import concat_trees, copy_tree, layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,13 @@ class SinkStats:
         return "input" if self.data_wait_s > self.slot_wait_s else "compute"
 
 
+def _shaping(config: SinkConfig) -> dict[str, Any]:
+    """The options that shape a sink's compiled programs and chunks, as the processes of a job
+    compare them (:class:`~sinkax.distributed.Peers`)."""
+    shaping = ("sink_size", "jit", "strategy", "max_chunk_bytes", "calls")
+    return {**{name: getattr(config, name) for name in shaping}, "mesh": str(config.sharding)}
+
+
 _BUSY = (
     "This sink is already running a call, from another thread (or restoring its data state). A "
     "sink runs one at a time, as each moves its data position: give each thread its own sink, "
@@ -108,15 +115,16 @@ class Sink:
             self._peers = distributed.Peers.of(
                 config.sharding,
                 config.timeout,
-                sink_size=self.sink_size,
+                **_shaping(config),
                 epoch_length=source.epoch_length,
+                recorded_strategy=recorded,
             )
             feed = self._executor.feed
             self._cursor = Cursor(source, config, feed=feed, data_state=data_state)
         except Exception:  # bad options or data_state, or processes that disagree
             source.close()
             raise
-        self._running = self._closed = False
+        self._running = self._closed = self._compared = False
 
     def __call__(self, state: Any = NO_STATE) -> Any:
         """Run ``sink_size`` steps; ``sink(state)`` gives ``(state, outs)``, ``sink()`` ``outs``.
@@ -139,6 +147,13 @@ class Sink:
             arrays, static = executor.select(state)
             cursor.resync()  # an interrupted call took data it never delivered: rewind
             carry = executor.place(arrays, cursor.first_spec)
+            if not self._compared:  # with the next dispatch, across processes
+                self._peers.include(
+                    batch=str(cursor.first_spec().abstract),
+                    state=str(layout(carry)),
+                    strategy=executor.strategy_name,
+                )
+                self._compared = True
             cursor.begin()
             while True:
                 data, piece, offset = cursor.next_piece(self._peers.agree)
@@ -165,6 +180,8 @@ class Sink:
             # runs whole and the sink is left usable; handoff.failed() passes it on after.
             handoff.state = interrupt.DISPATCHED
             self._peers.fail(error)  # the other processes raise too, none waits for this one
+            if isinstance(error, distributed.PeerTimeoutError):  # the last dispatch may wait
+                cursor.abandon()  # for a process that is gone: close() must not wait for it
             cursor.failed(consumed=bool(parts))  # the next call rewinds what this one took
             self._running = False
             handoff.failed()

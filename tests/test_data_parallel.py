@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,10 +49,14 @@ def job(tmp_path):
         return [json.loads((out / f"{i}.json").read_text()) for i in range(processes)]
 
     yield run
-    for child in started:  # the launcher and its processes share its session's process group
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+    for child in started:
+        if child.poll() is None:  # a Ctrl-C makes the launcher kill its processes (each in its
+            child.send_signal(signal.SIGINT)  # own session), then itself
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
 
 
 def expected_ids(steps: int) -> list[int]:
@@ -122,3 +127,53 @@ def test_a_process_that_never_makes_the_sink_fails_the_other_in_bounded_time(job
     assert results[1]["message"] == "absent"
     assert results[0]["error"] == "PeerTimeoutError"
     assert "Process 1 did not create this sink within 4.0 s" in results[0]["message"]
+
+
+def test_processes_at_different_speeds_run_the_same_chunks(job):
+    # one process waits 20 ms for each batch, the other none: a waiting consumer must not cut
+    # its chunks elsewhere than the other's (their offsets meet in the same collectives)
+    args = ["--calls", "100", "--sink-size", "1", "--strategy", "scan"]
+    results = job(2, 2, *args, "--delays", "0.02", "0")
+    check_training(results, steps=100, devices=4, processes=2)
+    assert results[0]["chunks"] == results[1]["chunks"]  # the same chunks, whatever the speed
+
+
+def test_processes_with_different_chunk_sizes_fail_with_a_value_error(job):
+    results = job(2, 2, "--calls", "2", "--chunk-bytes", "1000000", "64")
+    for result in results:
+        assert result["error"] == "ValueError", result
+        assert "max_chunk_bytes" in result["message"]
+        assert "1000000" in result["message"] and "64" in result["message"]
+
+
+def test_a_process_stopped_past_the_timeout_fails_both_in_bounded_time(job):
+    # process 1 stops (SIGSTOP) before its 4th call for 8 s; the timeout is 2 s
+    stopped = ["--stop-process", "1", "--stop-at", "3", "--stop-for", "8"]
+    t0 = time.monotonic()
+    results = job(2, 2, "--calls", "6", "--sink-size", "2", "--timeout", "2", *stopped)
+    healthy, woken = results
+    assert healthy["error"] == "PeerTimeoutError", healthy
+    assert "Process 1 did not" in healthy["message"]
+    assert healthy["failed_after_s"] < 2 * 2 + 3  # 2 x timeout, and a margin for 2 cores
+    assert woken["error"] == "PeerTimeoutError", woken  # it does not run on alone
+    assert "gave up waiting for this process" in woken["message"]
+    assert woken["failed_after_s"] < 3
+    assert time.monotonic() - t0 < 8 + 40  # both end: no hang in a collective or at shutdown
+
+
+def soak(job, calls: int, seed: int) -> None:
+    # sinks of random sizes, each resumed from the last one's position; each process's batches
+    # come after random delays of its own (up to 10 ms, and none for the other's)
+    results = job(2, 2, "--soak", str(calls), "--seed", str(seed), "--delays", "0.01", "0.01")
+    assert "error" not in results[0] and "error" not in results[1], results
+    check_training(results, steps=results[0]["steps"], devices=4, processes=2)
+    assert results[0]["steps"] == results[1]["steps"]
+
+
+def test_processes_at_random_speeds_over_resized_resumed_sinks(job):
+    soak(job, calls=40, seed=1)
+
+
+@pytest.mark.slow
+def test_processes_at_random_speeds_soak(job):
+    soak(job, calls=500, seed=2)

@@ -40,8 +40,11 @@ from sinkax.config import SinkConfig
 from sinkax.errors import SinkTimeoutError, warn
 from sinkax.spec import BatchSpec
 
+# takes the next chunk, across processes once they all agree on its description
+Agree = Callable[[Callable[[], Chunk], Callable[[Chunk], dict[str, Any]]], Chunk]
 
-def _now(take: Callable[[], Chunk]) -> Chunk:
+
+def _now(take: Callable[[], Chunk], describe: Callable[[Chunk], dict[str, Any]]) -> Chunk:
     return take()
 
 
@@ -62,7 +65,11 @@ class Cursor:
     ):
         self._source, self._packer = source, packers.of(feed, config.sharding)
         self._plan = functools.partial(
-            plan, config.sink_size, source.epoch_length, config.max_chunk_bytes
+            plan,
+            config.sink_size,
+            source.epoch_length,
+            config.max_chunk_bytes,
+            group=config.sharding.is_fully_addressable,  # one process
         )
         self._calls = config.calls  # the calls the sink will make, if known
         self.prefetch, self.timeout = config.prefetch, config.timeout
@@ -133,16 +140,24 @@ class Cursor:
         """A call starts (its time, less its wait for data, is the sink's busy time)."""
         self._call_started = (time.perf_counter(), self.data_wait_s)
 
-    def next_piece(
-        self, agree: Callable[[Callable[[], Chunk]], Chunk] = _now
-    ) -> tuple[Any, Piece, int]:
+    def next_piece(self, agree: Agree = _now) -> tuple[Any, Piece, int]:
         """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.
 
-        ``agree`` takes the chunk (across processes: once all agree, see
-        :class:`sinkax.distributed.Peers`).
+        ``agree(take, describe)`` takes the chunk (across processes: once all agree that
+        ``describe`` of it is the same everywhere, see :class:`sinkax.distributed.Peers`).
         """
-        chunk = agree(self._current_chunk)
+        chunk = agree(self._current_chunk, self._describe)
         return chunk.data, chunk.pieces[self._piece], self._offset
+
+    def _describe(self, chunk: Chunk) -> dict[str, Any]:
+        """What the processes' next dispatch meets with: the piece, where it ends in the data,
+        its offset in the chunk, the chunk's shape (see :func:`sinkax.channel.plan.plan`)."""
+        piece = chunk.pieces[self._piece]
+        return {
+            "piece": [piece.position.epoch, piece.position.step, piece.steps, piece.ends_call],
+            "offset": self._offset,
+            "chunk_shape": list(jax.tree.leaves(chunk.data)[0].shape),
+        }
 
     def ran(self, piece: Piece, in_flight: Any) -> None:
         """``piece`` was dispatched; ``in_flight`` are its results (its chunk's slot is freed
@@ -211,6 +226,11 @@ class Cursor:
                 jax.block_until_ready(self._in_flight)
         self._in_flight = None
         self._ring.release()
+
+    def abandon(self) -> None:
+        """Forget the last dispatched window without waiting for it: it may wait in a
+        collective for a process that is gone. Its chunk's slot stays taken."""
+        self._in_flight = None
 
     def _timeout_message(self) -> str:
         ring = self._ring.stats
