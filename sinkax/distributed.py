@@ -53,7 +53,7 @@ import contextlib
 import itertools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -70,20 +70,42 @@ _position_numbers = itertools.count()
 
 
 def initialize() -> None:
-    """Join the ``jax.distributed`` job this process belongs to.
+    """Join the ``jax.distributed`` job this process belongs to:
+    ``jax.distributed.initialize(**cluster_arguments(os.environ))``."""
+    jax.distributed.initialize(**cluster_arguments(os.environ))
 
-    Started by :mod:`sinkax.launch`: with the coordinator, process count and id it set in the
-    environment. Otherwise ``jax.distributed.initialize()`` with no arguments, which detects
-    SLURM, Open MPI and Kubernetes (indexed Job) environments and fails elsewhere.
+
+def cluster_arguments(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The arguments of ``jax.distributed.initialize`` for a process started with ``environ``:
+
+    * by :mod:`sinkax.launch`: the coordinator, process count and id it set;
+    * by a launcher that sets ``WORLD_SIZE``, ``RANK`` and ``MASTER_ADDR`` (``torchrun``, a
+      Kubernetes PyTorchJob): that many processes, this one's rank, the coordinator at
+      ``JAX_COORDINATOR_ADDRESS`` if set, else on ``MASTER_ADDR`` at ``JAX_COORDINATOR_PORT``
+      or else ``MASTER_PORT`` (jax detects none of these variables itself; ``torchrun``'s own
+      store holds ``MASTER_PORT``: give jax another with ``JAX_COORDINATOR_PORT``);
+    * otherwise none: jax detects SLURM (``srun``), Open MPI and Kubernetes indexed Jobs
+      itself, and fails elsewhere.
+
+    >>> cluster_arguments({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "5"})
+    {'coordinator_address': 'h:5', 'num_processes': 2, 'process_id': 1}
+    >>> cluster_arguments({"SLURM_PROCID": "0"})
+    {}
     """
-    if "SINKAX_PROCESS_ID" in os.environ:
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-            num_processes=int(os.environ["SINKAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["SINKAX_PROCESS_ID"]),
-        )
+    if "SINKAX_PROCESS_ID" in environ:
+        count, rank = "SINKAX_NUM_PROCESSES", "SINKAX_PROCESS_ID"
+    elif all(name in environ for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR")):
+        count, rank = "WORLD_SIZE", "RANK"
     else:
-        jax.distributed.initialize()
+        return {}
+    port = environ.get("JAX_COORDINATOR_PORT", environ.get("MASTER_PORT"))
+    return {
+        "coordinator_address": environ.get(
+            "JAX_COORDINATOR_ADDRESS", f"{environ.get('MASTER_ADDR')}:{port}"
+        ),
+        "num_processes": int(environ[count]),
+        "process_id": int(environ[rank]),
+    }
 
 
 def batch_sharding(axis: str = "data") -> NamedSharding:

@@ -99,7 +99,10 @@ def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
     for calls in (args.calls, args.resume_calls):
         if not calls:
             continue
-        sink = sinkax.data_sink(step, data, args.sink_size, data_state=data_state, **options)
+        known = {"calls": calls} if args.known_calls else {}
+        sink = sinkax.data_sink(
+            step, data, args.sink_size, data_state=data_state, **options, **known
+        )
         with sink:
             for call in range(calls):
                 if (jax.process_index(), call) == (args.stop_process, args.stop_at):
@@ -181,6 +184,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="folder for each process's JSON result")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--initialize", action="store_true", help="a cluster's process")
+    parser.add_argument("--known-calls", action="store_true", help="each sink gets calls=")
     parser.add_argument("--resume-calls", type=int, default=0, help="then a new sink, resumed")
     parser.add_argument("--sink-size", type=int, default=5)
     parser.add_argument("--strategy", default="auto")
@@ -204,7 +209,7 @@ def main(argv: list[str]) -> None:
 
     import sinkax
 
-    distributed = "SINKAX_PROCESS_ID" in os.environ  # started by sinkax.launch
+    distributed = args.initialize or "SINKAX_PROCESS_ID" in os.environ  # or by sinkax.launch
     if distributed:
         sinkax.distributed.initialize()
     fail_at = args.fail_at if args.fail_process == jax.process_index() else None
