@@ -186,7 +186,7 @@ class Alone:
         """``fetch()``."""
         return fetch()
 
-    def include(self, **values: Any) -> None:
+    def include(self, values: Callable[[], dict[str, Any]]) -> None:
         """Nothing: no one to compare with."""
 
     def fail(self, error: BaseException) -> None:
@@ -225,9 +225,9 @@ class Peers:
         self._included: dict[str, Any] = {}
         self._raised: BaseException | None = None  # by the last round, which every process saw
 
-    def include(self, **values: Any) -> None:
-        """Compare ``values`` too (a layout known once data arrived) in the next round."""
-        self._included.update(values)
+    def include(self, values: Callable[[], dict[str, Any]]) -> None:
+        """Compare ``values()`` too (layouts known once data arrived) in the next round."""
+        self._included.update(values())
 
     def agree(self, fetch: Callable[[], T], describe: Callable[[T], dict[str, Any]]) -> T:
         """``fetch()`` (this process's next data), once every process has its own and

@@ -149,9 +149,11 @@ class Sink:
             carry = executor.place(arrays, cursor.first_spec)
             if not self._compared:  # with the next dispatch, across processes
                 self._peers.include(
-                    batch=str(cursor.first_spec().abstract),
-                    state=str(layout(carry)),
-                    strategy=executor.strategy_name,
+                    lambda: {
+                        "batch": str(cursor.first_spec().abstract),
+                        "state": str(layout(carry)),
+                        "strategy": executor.strategy_name,
+                    }
                 )
                 self._compared = True
             cursor.begin()

@@ -15,6 +15,7 @@ Array([1., 3., 6.], dtype=float32)
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -59,6 +60,23 @@ def scan_window(fn: StepFn, backend: Backend, steps: int) -> Any:
     """The program of a ``"scan"`` window of ``steps`` on ``backend``: ``(state, chunk, i) ->
     (state, outs)``."""
     return scan_program(loop_body(fn, backend), steps)
+
+
+def keeping_shardings(program: Callable[..., Any], state: Any) -> Callable[..., Any]:
+    """``program`` (whose first argument and first result are the state, or for
+    :func:`~sinkax.execution.programs.step_program` begin with it) returning the state placed as
+    ``state`` is, leaf by leaf: a state sharded over a mesh (FSDP-style, or over a ``"model"``
+    axis) comes back sharded alike, where XLA would otherwise choose the outputs' shardings
+    (and the next call would not fit the executable). ``program`` itself on one device."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    if all(len(s.device_set) == 1 for s in jax.tree.leaves(shardings)):
+        return program
+
+    def kept(*args: Any) -> Any:
+        new, *rest = program(*args)
+        return (jax.lax.with_sharding_constraint(new, shardings), *rest)
+
+    return kept
 
 
 def chunk_sharding(chunk: Any) -> jax.sharding.Sharding:
@@ -134,7 +152,8 @@ class Scan(Windowed):
 
     def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
         def program() -> Any:
-            return scan_window(self._fn, backend_of(chunk_sharding(chunk)), steps)
+            run = scan_window(self._fn, backend_of(chunk_sharding(chunk)), steps)
+            return keeping_shardings(run, state)
 
         return self._compiler.get("scan", steps, program, state, chunk, start)
 
@@ -167,7 +186,8 @@ class Loop(Windowed):
         )
         self._started = begin(start)  # donates nothing; the concrete carry gives the step's
         carry = (state, *self._started)  # layout, and starts this window
-        step = self._compiler.get("step", steps, lambda: step_program(self._fn), carry, chunk)
+        program = lambda: keeping_shardings(step_program(self._fn), state)  # noqa: E731
+        step = self._compiler.get("step", steps, program, carry, chunk)
         return begin, step
 
     def launch(
@@ -183,7 +203,11 @@ class Loop(Windowed):
             carry = step(carry, chunk)
             if i == 0 and len(devices) > 1:  # over several devices the step may return the
                 step = self._compiler.get(  # carry sharded otherwise
-                    "step", steps, lambda: step_program(self._fn), carry, chunk
+                    "step",
+                    steps,
+                    lambda: keeping_shardings(step_program(self._fn), state),
+                    carry,
+                    chunk,
                 )
             if bounded:  # XLA:CPU's devices deadlock in a collective with many steps in flight
                 jax.block_until_ready(carry)
