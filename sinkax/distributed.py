@@ -159,16 +159,42 @@ def shared_position(data_state: dict[str, Any], timeout: float = 300.0) -> dict[
 
 
 def own_position(saved: dict[str, Any]) -> dict[str, Any]:
-    """This process's data position in what :func:`shared_position` gave; ``ValueError`` if
-    it was saved by a job of another number of processes."""
-    count = len(saved["processes"]) if "processes" in saved else 1
-    if count != jax.process_count():
+    """This process's data position in what :func:`shared_position` gave.
+
+    Saved by a job of another number of processes, it is the position in the stream of global
+    batches, which every process of the saving job shared: the same epoch and step, and the
+    same source state once what is particular to a process is set aside (an iterable's
+    fingerprint or iterator state: it is then replayed from the epoch's start). Each process
+    of this job continues there, feeding its own part of the next global batch. A
+    ``ValueError`` if the saved processes' positions differ beyond that (a grain
+    ``DataLoader``'s iterator state, say): resume such a checkpoint with as many processes.
+
+    >>> saved = {"epoch": 1, "step": 2, "source": {"next_index": 8}}
+    >>> own_position({"processes": [saved, saved]}) == saved  # by 2 processes, into 1
+    True
+    """
+    positions = saved.get("processes", [saved])
+    if len(positions) == jax.process_count():
+        return positions[jax.process_index()]
+    shared = [_global_position(position) for position in positions]
+    if any(position != shared[0] for position in shared):
         raise ValueError(
-            f"This checkpoint holds the data positions of {count} process(es), but this job has "
-            f"{jax.process_count()}: resume it with {count} process(es), each feeding the same "
-            "part of the data as before."
+            f"This checkpoint holds the data positions of {len(positions)} process(es), which "
+            f"differ ({shared[0]!r:.200} and {shared[-1]!r:.200}), and this job has "
+            f"{jax.process_count()}: each position belongs to one process's dataset (a grain "
+            f"DataLoader's iterator, say). Resume it with {len(positions)} process(es), each "
+            "feeding the same part of the data as before."
         )
-    return saved["processes"][jax.process_index()] if "processes" in saved else saved
+    return shared[0]
+
+
+_PER_PROCESS = ("fingerprint", "iterator", "iterator_base64")  # of one process's own batches
+
+
+def _global_position(position: dict[str, Any]) -> dict[str, Any]:
+    """``position`` without what only its own process's dataset can restore."""
+    source = {k: v for k, v in position["source"].items() if k not in _PER_PROCESS}
+    return {**position, "source": source}
 
 
 class PeerError(RuntimeError):

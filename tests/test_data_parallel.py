@@ -235,3 +235,17 @@ def test_two_processes_start_as_torchrun_starts_them(tmp_path):
     environments = [{**torchrun, "RANK": str(i), "LOCAL_RANK": str(i)} for i in range(2)]
     results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3")
     check_training(results, steps=6, devices=4, processes=2)
+
+
+@pytest.mark.parametrize("devices", [4, 1])
+def test_a_two_process_checkpoint_resumes_on_one_process(job, tmp_path, devices):
+    # written by 2 processes x 2 devices mid-pass (4 of 6 global batches), resumed by one
+    # process over `devices` devices: it continues with global batch 4, none skipped or repeated
+    checkpoint = ["--checkpoint", str(tmp_path / "checkpoints"), "--sink-size", "4"]
+    job(2, 2, *checkpoint, "--epochs", "1")
+    (resumed,) = job(1, devices, *checkpoint, "--epochs", "3")
+    assert "error" not in resumed, resumed
+    assert (resumed["devices"], resumed["processes"]) == (devices, 1)
+    assert resumed["steps"] == 12
+    assert resumed["max_error"] < 1e-5  # = 12 plain single-device steps on the global batches
+    assert (resumed["saved_positions"]["epoch"], resumed["saved_positions"]["step"]) == (2, 0)
