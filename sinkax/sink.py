@@ -307,7 +307,8 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
         from the context.
       sharding: instead of ``device``, a ``jax.sharding.Sharding`` of one batch, e.g.
         ``NamedSharding(mesh, P("data"))`` to split the batch axis over the mesh's devices
-        (data parallelism; the state is replicated unless already placed on those devices).
+        (data parallelism; the state is replicated unless already placed on those devices,
+        and then comes back sharded as it was).
         Across ``jax.distributed`` processes each process's dataset yields its own part of
         every global batch (see :mod:`sinkax.distributed`).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.

@@ -186,9 +186,12 @@ class Loop(Windowed):
         )
         self._started = begin(start)  # donates nothing; the concrete carry gives the step's
         carry = (state, *self._started)  # layout, and starts this window
-        program = lambda: keeping_shardings(step_program(self._fn), state)  # noqa: E731
-        step = self._compiler.get("step", steps, program, carry, chunk)
+        step = self._compiler.get("step", steps, self._step_program(state), carry, chunk)
         return begin, step
+
+    def _step_program(self, state: Any) -> Callable[[], Any]:
+        """Makes the program of one step, returning the state placed as ``state`` is."""
+        return lambda: keeping_shardings(step_program(self._fn), state)
 
     def launch(
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
@@ -203,11 +206,7 @@ class Loop(Windowed):
             carry = step(carry, chunk)
             if i == 0 and len(devices) > 1:  # over several devices the step may return the
                 step = self._compiler.get(  # carry sharded otherwise
-                    "step",
-                    steps,
-                    lambda: keeping_shardings(step_program(self._fn), state),
-                    carry,
-                    chunk,
+                    "step", steps, self._step_program(state), carry, chunk
                 )
             if bounded:  # XLA:CPU's devices deadlock in a collective with many steps in flight
                 jax.block_until_ready(carry)
