@@ -45,7 +45,7 @@ from sink_sizes import SIZES, device_scan, measure  # noqa: E402
 
 sinkax.set_context(device_target="Emulated")  # every run below: sinks, jit, device_put
 EMU = jax.devices(pjrt.EMULATED_PLATFORM)[0]
-assert sinkax.context.default_device() == EMU
+assert sinkax.backend.default_device() == EMU
 PRESET_NAMES = ("pcie4-x16", "pcie5-x16", "ascend910-pcie4")
 
 

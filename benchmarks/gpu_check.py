@@ -51,9 +51,9 @@ LIMITS = {
     "imports": (30, 30),
     "env": (45, 30),
     "tests": (120, 40),
-    "bench-mlp": (50, 30),
-    "bench-lenet": (50, 30),
-    "bench-transformer": (70, 30),
+    "bench-mlp": (70, 30),
+    "bench-lenet": (80, 30),
+    "bench-transformer": (130, 30),
     "plugin": (35, 20),
 }
 
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU, tiny sizes (the default without a GPU)"
     )
-    parser.add_argument("--budget", type=float, help="seconds for everything (default 340, dry 90)")
+    parser.add_argument("--budget", type=float, help="seconds for everything (default 420, dry 90)")
     parser.add_argument(
         "--out",
         default=os.environ.get("OUT") or "gpu_check_out",
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     for name in ("env.txt", "tests.log", "bench.log", "plugin.log"):
         open(os.path.join(args.out, name), "w").close()
-    check = Check(args.out, args.budget or (90 if args.dry_run else 340), args.dry_run, args.skip)
+    check = Check(args.out, args.budget or (90 if args.dry_run else 420), args.dry_run, args.skip)
     check.setup()
     if not check.environment() and not check.dry_run:
         print("No GPU seen by jax (env.txt says why): a dry run on the CPU with tiny sizes.")

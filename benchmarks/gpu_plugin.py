@@ -103,13 +103,17 @@ def count_checks() -> list[tuple[str, int, int]]:
         for _ in range(calls):
             state, loss = sink(state)
         jax.block_until_ready(state)
+        sink.close()  # the producer stops: nothing moves after the count below
+        stats = sink.stats
     sunk = pjrt.interactions() - before
     print("per-step loop:", plain, "\nsink:", sunk, "losses", np.asarray(loss["loss"]))
     return [
         ("per-step launches", plain.launches, steps),
         ("per-step batch transfers", plain.h2d, steps * leaves),
         ("per-step reads", plain.d2h, 0),
-        ("sink launches", sunk.launches, calls),
+        ("sink launches", sunk.launches, calls + stats.chunks_padded),  # + short chunks' pads
+        ("sink transfers", sunk.h2d, stats.chunks_transferred * leaves + 1),  # + one position
+        ("sink bytes", sunk.h2d_bytes, stats.bytes_transferred + 4),
         ("sink reads", sunk.d2h, 0),
     ]
 

@@ -10,6 +10,7 @@
 
 from sinkax.affinity import set_cpu_affinity
 from sinkax.backend import resolve_device
+from sinkax.channel.position import DataPosition
 from sinkax.channel.source import Position
 from sinkax.context import GRAPH_MODE, PYNATIVE_MODE, get_context, set_context
 from sinkax.errors import BatchSpecError, SinkClosedError, SinkError, SinkTimeoutError
@@ -39,6 +40,7 @@ __all__ = [
     "PYNATIVE_MODE",
     "BatchSpecError",
     "Callback",
+    "DataPosition",
     "DatasetHelper",
     "EvalCallback",
     "History",

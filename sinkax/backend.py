@@ -99,6 +99,21 @@ def available() -> dict[str, list[jax.Device]]:
     return found
 
 
+def default_device() -> jax.Device:
+    """The device sinkax uses when given none: JAX's default device, ``jax_default_device``
+    when set (by :func:`sinkax.set_context`, ``jax.config.update`` or ``jax.default_device``),
+    else the emulated device where ``SINKAX_PJRT`` selects it, else the first local device.
+
+    >>> with jax.default_device(jax.devices("cpu")[0]):
+    ...     print(default_device().platform)
+    cpu
+    """
+    device = jax.config.jax_default_device
+    if isinstance(device, str):  # a platform name
+        return jax.local_devices(backend=device)[0]
+    return device or resolve_device()
+
+
 def resolve_device(target: str | None = None, device_id: int = 0) -> jax.Device:
     """The device ``device_id`` of ``target`` (default: the emulated device where ``SINKAX_PJRT``
     selects it, else JAX's default backend).

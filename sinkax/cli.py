@@ -139,7 +139,7 @@ def train_lenet(args: argparse.Namespace) -> float:
     where = (
         f"{jax.device_count()} devices in {jax.process_count()} process(es), batch split"
         if parallel
-        else f"{sinkax.context.default_device()!r}"  # EmuDevice(id=0), CudaDevice(id=0), ...
+        else f"{sinkax.backend.default_device()!r}"  # EmuDevice(id=0), CudaDevice(id=0), ...
     )
     source = args.data_dir or "the bundled 5,000-image sample"
     steps = args.sink_size if args.sink_size > 0 and not args.no_sink else len(train_set)

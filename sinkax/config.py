@@ -24,7 +24,7 @@ import jax
 from jax.sharding import Sharding
 
 from sinkax import placement
-from sinkax.backend import TARGETS, resolve_device
+from sinkax.backend import TARGETS, default_device, resolve_device
 
 MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_x64)
 # The ring sets up prefetch + 1 device slots when it starts, each up to max_chunk_bytes on the
@@ -77,15 +77,6 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
         )
 
 
-def default_device() -> jax.Device:
-    """JAX's default device: ``jax_default_device`` when set (``sinkax.set_context`` sets it),
-    else the emulated device where ``SINKAX_PJRT`` selects it, else the first local device."""
-    device = jax.config.jax_default_device
-    if isinstance(device, str):  # a platform name
-        return jax.local_devices(backend=device)[0]
-    return device or resolve_device()
-
-
 def sink_device(device: jax.Device | str) -> jax.Device:
     """``device``; a target or platform name (``"CPU"``, ``"cpu"``, ``"gpu"``) is its first
     device.
@@ -121,6 +112,7 @@ class SinkConfig:
     timeout: float
     sharding: Sharding  # of one batch
     save_graphs: str | None
+    ragged_last: bool
     calls: int | None = None  # the calls the sink will make, when known
 
     @classmethod
@@ -137,6 +129,7 @@ class SinkConfig:
         sharding: Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         calls: int | None = None,
+        ragged_last: bool = False,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
@@ -159,6 +152,7 @@ class SinkConfig:
             ),
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
             calls=None if calls is None else int(calls),
+            ragged_last=bool(ragged_last),
         )
 
     def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:

@@ -96,11 +96,6 @@ def jit_enabled(jit: bool | None) -> bool:
     return _context.mode == GRAPH_MODE if jit is None else jit
 
 
-def default_device() -> jax.Device:
-    """The device the context selects."""
-    return resolve_device(_context.device_target, _context.device_id)
-
-
 def graphs_folder() -> str | None:
     """Where ``save_graphs`` writes, or ``None``."""
     if _context.save_graphs is True:

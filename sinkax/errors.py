@@ -36,3 +36,9 @@ class SinkClosedError(SinkError):
 
 class SinkExhaustedError(SinkError):
     """The sink has made the ``calls`` it was created for: its producer read no data past them."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "This sink has made every call it was created for (its `calls=`), and its producer "
+            "read no data past them. Create it with a larger `calls=`, or without it to run on."
+        )

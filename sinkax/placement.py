@@ -53,6 +53,12 @@ def resolve(
     return sharding
 
 
+def of(tree: Any) -> Sharding:
+    """Where ``tree`` is placed: the sharding of its first leaf (a chunk's leaves, or a
+    state's, are placed alike)."""
+    return jax.tree.leaves(tree)[0].sharding
+
+
 def devices(sharding: Sharding) -> int:
     """How many devices ``sharding`` spans, in every process."""
     return len(sharding.device_set)

@@ -30,10 +30,11 @@ import jax
 from sinkax import context, distributed, interrupt, pjrt, placement
 from sinkax.channel.cursor import Cursor
 from sinkax.channel.plan import chunk_steps
+from sinkax.channel.position import DataPosition
 from sinkax.channel.source import as_source
 from sinkax.config import SinkConfig
 from sinkax.errors import SinkClosedError
-from sinkax.execution.executor import NO_STATE, Executor, recorded_strategy
+from sinkax.execution.executor import NO_STATE, Executor
 from sinkax.pytree import concat_trees, copy_tree, layout
 
 
@@ -78,7 +79,7 @@ class SinkStats:
 def _shaping(config: SinkConfig) -> dict[str, Any]:
     """The options that shape a sink's compiled programs and chunks, as the processes of a job
     compare them (:class:`~sinkax.distributed.Peers`)."""
-    shaping = ("sink_size", "jit", "strategy", "max_chunk_bytes", "calls")
+    shaping = ("sink_size", "jit", "strategy", "max_chunk_bytes", "calls", "ragged_last")
     return {**{name: getattr(config, name) for name in shaping}, "mesh": str(config.sharding)}
 
 
@@ -100,7 +101,7 @@ class Sink:
         sink_size: int = 1,
         *,
         read_options: grain.ReadOptions | None = None,
-        data_state: dict[str, Any] | None = None,
+        data_state: DataPosition | dict[str, Any] | None = None,
         **options: Any,
     ):
         self.config = config = SinkConfig.of(sink_size, **options)
@@ -110,7 +111,8 @@ class Sink:
         self._interactions_at_start = pjrt.counted(placement.platform(config.sharding))
         try:
             steps = config.check_length(source.epoch_length, dataset)
-            recorded = recorded_strategy(data_state)
+            start = None if data_state is None else DataPosition.from_dict(data_state)
+            recorded = start.strategy if start else None
             self._executor = Executor(fn, config, steps_per_call=steps, recorded=recorded)
             self._peers = distributed.Peers.of(
                 config.sharding,
@@ -120,7 +122,7 @@ class Sink:
                 recorded_strategy=recorded,
             )
             feed = self._executor.feed
-            self._cursor = Cursor(source, config, feed=feed, data_state=data_state)
+            self._cursor = Cursor(source, config, feed=feed, data_state=start)
         except Exception:  # bad options or data_state, or processes that disagree
             source.close()
             raise
@@ -202,13 +204,19 @@ class Sink:
         with exactly the next batch, none repeated and none skipped -- and, where ``"auto"``
         would choose, with the same strategy, so that a resumed run computes what the
         uninterrupted one did, bit for bit. With a dataset of known length it also holds
-        ``"epoch_length"``: a resume onto another length is refused.
+        ``"epoch_length"``: a resume onto another length is refused. It is
+        :attr:`position`'s :meth:`~sinkax.channel.position.DataPosition.to_dict`.
         """
-        state, recorded = self._cursor.data_state(), self._executor.recorded
-        return state if recorded is None else {**state, "strategy": recorded}
+        return self.position.to_dict()
 
-    def restore_data_state(self, state: dict[str, Any]) -> None:
-        """Continue from a position saved by :meth:`data_state`; drops the prefetched chunks.
+    @property
+    def position(self) -> DataPosition:
+        """Where the next call starts reading: :meth:`data_state` is its ``to_dict()``."""
+        return self._cursor.position.recording(self._executor.recorded)
+
+    def restore_data_state(self, state: DataPosition | dict[str, Any]) -> None:
+        """Continue from a position saved by :meth:`data_state` (or a :attr:`position`); drops
+        the prefetched chunks. ``ValueError`` naming the field if it is not one.
 
         Refused (``RuntimeError``) while a call runs, from another thread. If interrupted, the
         next call finishes the rewind, to :meth:`data_state` as it then reads.
@@ -218,9 +226,9 @@ class Sink:
         self._running = True
         try:
             self._check_open()
-            recorded = recorded_strategy(state)
-            self._cursor.rewind(state)
-            self._executor.pin(recorded)  # what "auto" would measure, the saved run chose
+            position = DataPosition.from_dict(state)
+            self._cursor.rewind(position)
+            self._executor.pin(position.strategy)  # what "auto" would measure, the saved run chose
         finally:
             self._running = False
 
@@ -315,6 +323,9 @@ def data_sink(fn: Callable[..., Any], dataset: Any, sink_size: int = 1, **option
       calls: the calls this sink will make, if known (``DatasetHelper`` and ``Model`` pass
         their epochs): its producer then reads and moves to the device nothing past them, and a
         call after them raises :class:`~sinkax.errors.SinkExhaustedError`. Default: no limit.
+      ragged_last: each epoch's last batch may have fewer rows (a dataset batched without
+        ``drop_remainder``; its length must be known); needs ``sink_size=1`` and
+        ``strategy="step"`` -- each batch its own executable -- as non-sink mode runs.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.

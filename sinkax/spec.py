@@ -99,11 +99,21 @@ class BatchSpec:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def check(spec: BatchSpec, batch: Any, where: object) -> list[np.ndarray]:
+def _fewer_rows(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    """Whether ``shape`` is ``full`` with fewer (but some) rows on its leading axis."""
+    return len(shape) == len(full) >= 1 and shape[1:] == full[1:] and 0 < shape[0] < full[0]
+
+
+def check(spec: BatchSpec, batch: Any, where: object, smaller: bool = False) -> list[np.ndarray]:
     """The leaves of ``batch`` as numpy arrays; raises :class:`BatchSpecError` on any drift.
 
     ``where`` says which batch this is (its ``str``, e.g. ``"epoch 0, step 57"``, is only
-    built for the message).
+    built for the message); with ``smaller``, the batch may have fewer rows on the leading
+    axis of every leaf (an epoch's last batch, where the sink takes one, see ``ragged_last``).
+
+    >>> spec = BatchSpec.of({"x": np.zeros((4, 2))})
+    >>> [leaf.shape for leaf in check(spec, {"x": np.zeros((3, 2))}, "the last", smaller=True)]
+    [(3, 2)]
     """
     flat, treedef = jax.tree_util.tree_flatten(batch)
     if treedef != spec.treedef:
@@ -113,7 +123,8 @@ def check(spec: BatchSpec, batch: Any, where: object) -> list[np.ndarray]:
         )
     leaves = [np.asarray(leaf) for leaf in flat]
     for path, shape, dtype, leaf in zip(spec.paths, spec.shapes, spec.dtypes, leaves, strict=True):
-        if leaf.shape != shape or leaf.dtype != dtype:
+        fits = leaf.shape == shape or (smaller and _fewer_rows(leaf.shape, shape))
+        if not fits or leaf.dtype != dtype:
             raise BatchSpecError(
                 f"Batch at {where}, leaf {path}: expected shape {shape} dtype {dtype}, got shape "
                 f"{leaf.shape} dtype {leaf.dtype}. {_FIX}"

@@ -6,7 +6,9 @@ import itertools
 import os
 import signal
 import sys
+import threading
 import time
+import traceback
 
 import grain
 import jax
@@ -17,6 +19,19 @@ import pytest
 
 import sinkax
 import sinkax.pjrt
+
+# jax's persistent compilation cache: a program compiled once in the session (by any test, or by
+# the subprocesses of the notebook, example and CLI tests, which inherit the environment) is
+# read back instead of compiled again; kept between sessions (.jax_cache/, git-ignored).
+CACHE_SETTINGS = {
+    "jax_compilation_cache_dir": os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
+    ),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,  # the suite's programs compile fast
+}
+for _name, _value in CACHE_SETTINGS.items():
+    os.environ[_name.upper()] = str(_value)
+    jax.config.update(_name, _value)
 
 # The emulated device (sinkax.pjrt) is registered before jax's backends start, for test_pjrt.py;
 # without sinkax's C++ plugin installed (a user's machine, a bare GPU machine), the tests that need
@@ -35,7 +50,13 @@ if os.environ.get("SINKAX_TEST_DEVICE"):
 
 def default_backend() -> sinkax.backend.Backend:
     """What the tests' default device can do (CPU, or the emulated device)."""
-    return sinkax.backend.backend_of(sinkax.context.default_device())
+    return sinkax.backend.backend_of(sinkax.backend.default_device())
+
+
+# "auto" measures its candidates only where XLA:CPU compiles; on a GPU it is "scan" at once
+auto_measures = pytest.mark.skipif(
+    not default_backend().xla_cpu, reason='"auto" measures only where XLA:CPU compiles'
+)
 
 
 def one_step_strategy() -> str:
@@ -153,10 +174,36 @@ def ctrl_c_at_check(k, function=None, also=()):
         sys.settrace(None)
 
 
-def assert_no_slot_leaked(sink, timeout=10.0):
+def assert_no_slot_leaked(sink, timeout=60.0):
     """Every device slot of ``sink``'s ring is queued or handed out once its producer (over an
     endless dataset) has filled them all: none went missing."""
     ring, deadline = sink._cursor.ring, time.monotonic() + timeout
     while ring._ready.qsize() + len(ring._handed_out) < sink.config.prefetch + 1:
         assert time.monotonic() < deadline, "a device slot leaked"
         time.sleep(0.002)
+
+
+# -- threads, without timing assumptions --------------------------------------------------------
+def producer_threads() -> set[threading.Thread]:
+    """The sinks' producer threads alive now, whichever test started them."""
+    return {t for t in threading.enumerate() if t.name == "sinkax-producer"}
+
+
+def producers_left(before: set[threading.Thread], timeout: float = 60.0) -> list[str]:
+    """The producer threads started since ``before`` that are still alive after waiting up to
+    ``timeout`` for them: a producer that has closed its source may still be finishing its
+    thread, and an earlier test's producers are not this test's."""
+    deadline = time.monotonic() + timeout
+    for thread in producer_threads() - before:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in producer_threads() - before]
+
+
+def thread_stacks(name: str) -> str:
+    """Where every thread called ``name`` is now: to say why one did not stop."""
+    frames = sys._current_frames()
+    return "\n".join(
+        "".join(traceback.format_stack(frames[t.ident]))
+        for t in threading.enumerate()
+        if t.name == name and t.ident in frames
+    )

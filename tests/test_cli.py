@@ -56,8 +56,9 @@ def test_sinkax_pjrt_selects_the_emulated_device_for_the_cli_and_model():
     code = (
         "import sinkax, numpy as np, optax, jax.numpy as jnp\n"
         "from sinkax.train import Model\n"
-        "print(repr(sinkax.context.default_device()), repr(sinkax.config.default_device()))\n"
-        "model = Model(lambda p, x: x @ p, jnp.ones((3, 2)), lambda y, b: jnp.mean(y), optax.sgd(0.1))\n"
+        "print(repr(sinkax.backend.default_device()), repr(sinkax.backend.resolve_device()))\n"
+        "loss = lambda y, b: jnp.mean(y)\n"
+        "model = Model(lambda p, x: x @ p, jnp.ones((3, 2)), loss, optax.sgd(0.1))\n"
         "data = [(np.ones((4, 3), np.float32), np.zeros(4, np.int32))] * 2\n"
         "run = model.train(1, data, sink_size=-1)\n"
         "print(run.sink_stats.interactions.launches > 0)\n"

@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import jax
+import numpy as np
 import pytest
 from test_model import History, assert_trees_close, blobs, new_model
 
@@ -80,3 +82,16 @@ def test_profiling_writes_a_trace(tmp_path):
         pytest.skip(f"jax.profiler cannot trace here: {error}")
     traces = list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
     assert traces, list((tmp_path / "profile").rglob("*"))
+
+
+def test_one_default_device_even_when_jax_s_is_set_outside_set_context():
+    # Model, data_sink and the context used to ask two default_device()s that could disagree
+    if sinkax.context.get_context("device_target") is not None:
+        pytest.skip("set_context chose the device")
+    other = jax.devices(sinkax.pjrt.EMULATED_PLATFORM)[0]
+    with jax.default_device(other):
+        assert sinkax.backend.default_device() == other
+        model = new_model(sink_options={})
+        assert {d for x in jax.tree.leaves(model.state) for d in x.devices()} == {other}
+        with sinkax.data_sink(lambda b: b, [np.float32(1)] * 2, 1) as sink:
+            assert sink.config.sharding.device_set == {other}

@@ -10,7 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_no_slot_leaked, collect_index, ctrl_c_at_check, indexed_map_dataset
+from conftest import (
+    assert_no_slot_leaked,
+    collect_index,
+    ctrl_c_at_check,
+    indexed_map_dataset,
+    thread_stacks,
+)
 
 import sinkax
 
@@ -41,6 +47,7 @@ def test_ctrl_c_in_any_sinkax_frame_of_a_call_loses_and_leaks_nothing(case):
     strategy, sink_size, max_chunk_bytes = CHUNKS[case]
     dataset = indexed_map_dataset(4000, BATCH, seed=None)
     options = {"strategy": strategy, "max_chunk_bytes": max_chunk_bytes, "prefetch": 1}
+    options["timeout"] = 150.0  # a rewind waits for the producer: loaded machines are slow
     for k in itertools.count():
         with sinkax.data_sink(collect_index, dataset, sink_size, **options) as sink:
             state, outs = sink(jnp.int32(0))
@@ -49,7 +56,10 @@ def test_ctrl_c_in_any_sinkax_frame_of_a_call_loses_and_leaks_nothing(case):
                 state, outs = sink(state)
                 numbers += batch_numbers(outs)
             assert sinkax.interrupt.GUARD.state is None, f"Ctrl-C at check {k}: guard left open"
-            state = calls_until(sink, state, 4 * sink_size, numbers)
+            try:
+                state = calls_until(sink, state, 4 * sink_size, numbers)
+            except sinkax.SinkTimeoutError as error:  # say where the producer is stuck
+                pytest.fail(f"Ctrl-C at check {k}: {error}\n{thread_stacks('sinkax-producer')}")
             assert numbers == list(range(len(numbers))), f"Ctrl-C at check {k}"
             assert int(state) == len(numbers), f"Ctrl-C at check {k}: the state lost steps"
             assert_no_slot_leaked(sink)

@@ -40,3 +40,10 @@ def test_one_step_sinks_on_a_gpu_run_the_scan_over_the_device_ring(batches):
     with sinkax.data_sink(train_step, batches, 1, device=gpus()[0]) as sink:
         sink(init_state())
         assert sink.stats.strategy == "scan"  # "step" is for CPU devices, where it saves a copy
+
+
+def test_auto_runs_scan_on_the_gpu_measuring_nothing(batches):
+    with sinkax.data_sink(train_step, batches, 4, device=gpus()[0]) as sink:
+        state, _ = sink(init_state())
+        sink(state)
+        assert sink.stats.strategy == "scan" and sink.stats.strategy_timings == {}

@@ -107,3 +107,17 @@ def test_the_license_is_an_spdx_expression_that_setuptools_takes_without_warning
     # twice on every install; the SPDX string needs setuptools >= 77 to build
     assert project["project"]["license"] == "Apache-2.0"
     assert "setuptools>=77" in project["build-system"]["requires"]
+
+
+def test_the_train_layer_runs_on_the_public_sink_api():
+    # non-sink mode is a Sink too: no second copy of the core's call sequence in train/
+    graph = import_graph(PACKAGE)
+    core = ("sinkax.execution", "sinkax.interrupt", "sinkax.placement", "sinkax.channel.")
+    reached = {
+        (module, dep)
+        for module, deps in graph.items()
+        if module.startswith("sinkax.train")
+        for dep in deps
+        if dep.startswith(core) and dep != "sinkax.channel.source"
+    }
+    assert not reached, "train/ reaches into the core"

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import grain
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ctrl_c_at_check
+from conftest import ctrl_c_at_check, producer_threads, producers_left
 
 import sinkax
 from sinkax.train import (
@@ -190,6 +189,26 @@ def test_eval_weighs_a_ragged_last_batch_by_its_size_in_non_sink_mode():
     assert result["first_label"] == pytest.approx(np.average(per_batch, weights=[16, 16, 4]))
 
 
+def test_non_sink_mode_trains_on_a_smaller_last_batch_as_a_plain_loop_does():
+    data = blobs(3)
+    ragged = [*data[:2], {"image": data[2]["image"][:5], "label": data[2]["label"][:5]}]
+    step = make_train_step(linear, cross_entropy, OPTIMIZER)
+    state = TrainState.create(init_params(), OPTIMIZER)
+    expected, plain = state, jax.jit(step)
+    for _ in range(2):
+        for batch in ragged:
+            expected, _ = plain(expected, batch)
+    with DatasetHelper(ragged, dataset_sink_mode=False, epoch_num=2) as helper:
+        net = connect_network_with_dataset(step, helper)
+        for _ in range(2):
+            for steps in helper:
+                assert steps == 1
+                state, _ = net(state)
+        assert helper.data_state()["epoch"] == 2
+        assert isinstance(helper._sink, sinkax.Sink)  # one path through the core
+    assert_trees_close(state, expected, rtol=1e-6)
+
+
 def test_tuple_batches_and_custom_keys():
     pairs = [(b["image"], b["label"]) for b in blobs(4)]
     renamed = [{"x": b["image"], "y": b["label"]} for b in blobs(4)]
@@ -261,7 +280,7 @@ def test_ctrl_c_anywhere_in_a_non_sink_step_keeps_the_state_and_every_batch():
                     with (
                         contextlib.suppress(KeyboardInterrupt),  # a held one stops the next step
                         ctrl_c_at_check(
-                            k if (epoch, i) == (0, 1) else -1, type(net).__call__
+                            k if (epoch, i) == (0, 1) else -1, sinkax.Sink.__call__
                         ) as checks,
                     ):
                         state, _ = net(state)
@@ -569,13 +588,15 @@ class _FailsInEpoch:
 
 
 def test_a_failed_run_keeps_its_last_checkpoint_and_leaves_no_thread(tmp_path):
-    checkpoint = ModelCheckpoint(tmp_path)
+    checkpoint, before = ModelCheckpoint(tmp_path), producer_threads()
     evaluate = EvalCallback(blobs(2), verbose=False)
     with pytest.raises(OSError, match="disk gone"):
         new_model().train(5, _FailsInEpoch(blobs(3), fail=3), [checkpoint, evaluate])
-    # at once, without waiting: the write of epoch 2 has finished, the eval sink is closed
+    # at once: the write of epoch 2 has finished, and the sinks are closed -- their producers
+    # have closed their sources (a thread may take a moment more to end; earlier tests' are
+    # not this run's)
     assert sorted(os.listdir(tmp_path)) == ["3", "6"]
-    assert [t for t in threading.enumerate() if t.name == "sinkax-producer"] == []
+    assert producers_left(before) == []
     assert set(evaluate.results) == {1, 2}
 
 

@@ -22,12 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    auto_measures,
     collect_index,
     ctrl_c_at_check,
     default_backend,
     indexed_map_dataset,
     init_state,
     one_step_strategy,
+    producer_threads,
+    producers_left,
     reference_run,
     regression_batches,
     train_step,
@@ -419,25 +422,25 @@ def test_a_stalled_pipeline_times_out_with_a_diagnosis(batches):
 
 
 class BlocksAfter:
-    """The batches, but reading the ``n``-th blocks until ``unblock`` is set."""
+    """The batches, but reading the ``n``-th blocks until ``unblock`` is set (``at_gate`` says
+    a reader got there)."""
 
     def __init__(self, batches, n):
         self.batches, self.n, self.unblock = batches, n, threading.Event()
+        self.at_gate = threading.Event()
 
     def __iter__(self):
         for i, batch in enumerate(self.batches):
             if i == self.n:
+                self.at_gate.set()
                 self.unblock.wait()
             yield batch
 
 
-def producer_threads():
-    return [t for t in threading.enumerate() if t.name == "sinkax-producer"]
-
-
 def test_close_does_not_wait_forever_for_a_blocked_dataset(batches):
-    dataset = BlocksAfter(batches, 3)
+    before, dataset = producer_threads(), BlocksAfter(batches, 3)
     sink = sinkax.data_sink(train_step, dataset, 1, timeout=0.3)
+    assert dataset.at_gate.wait(60)  # batches 0-2 are read, however slow the machine
     state = init_state()
     with pytest.raises(sinkax.SinkTimeoutError):
         for _ in range(4):
@@ -445,18 +448,16 @@ def test_close_does_not_wait_forever_for_a_blocked_dataset(batches):
     t0 = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="still inside the dataset's iterator 0.3 s"):
         sink.close()
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 30  # it waited its timeout, 0.3 s, not for the dataset
     dataset.unblock.set()  # the dataset returns: the daemon producer ends on its own
-    for thread in producer_threads():
-        thread.join(5)
-    assert not producer_threads()
+    assert not producers_left(before)
 
 
 def test_rewinding_waits_for_a_blocked_dataset_and_loses_nothing(batches):
     dataset = BlocksAfter(batches, 3)
     with sinkax.data_sink(train_step, dataset, 1, timeout=0.3) as sink:
         state, first = sink(init_state())
-        time.sleep(0.1)  # the producer reads ahead, into the blocking batch
+        assert dataset.at_gate.wait(60)  # the producer reads ahead, into the blocking batch
         with pytest.raises(sinkax.SinkTimeoutError, match="rewinding the data"):
             sink.restore_data_state(sink.data_state())
         dataset.unblock.set()
@@ -684,6 +685,7 @@ def measured(sink, state):
     return state, calls
 
 
+@auto_measures
 def test_auto_decides_after_a_window_of_each_and_compiles_one_executable_each(batches, monkeypatch):
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
@@ -705,6 +707,7 @@ def test_auto_decides_after_a_window_of_each_and_compiles_one_executable_each(ba
     assert run_sink(batches, 5, 2, strategy="scan")[2].dispatches == 2
 
 
+@auto_measures
 def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
     with sinkax.data_sink(functools.partial(train_step), batches, 4) as sink:
         state, _ = sink(init_state())  # a window far shorter than a trial
@@ -716,6 +719,7 @@ def test_auto_carries_its_trials_over_calls_too_short_for_them(batches):
     assert set(stats.strategy_timings) == {"scan", "loop"}
 
 
+@auto_measures
 def test_auto_reuses_the_decision_for_the_step_until_reselect(batches, monkeypatch):
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     step = functools.partial(train_step)
@@ -750,6 +754,7 @@ def test_the_callers_state_is_donated_alike_while_measuring_and_after(batches, s
             assert all(x.is_deleted() for x in jax.tree.leaves(given))
 
 
+@auto_measures
 def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
     with sinkax.data_sink(functools.partial(train_step), batches, 12) as sink:
@@ -1011,3 +1016,26 @@ def test_a_full_pass_of_a_plain_list_ends_the_epoch(batches):
         assert (sink.epoch, sink.step) == (1, 0)
         sink(state)
         assert (sink.epoch, sink.step) == (2, 0)
+
+
+def test_ragged_last_takes_each_epochs_smaller_last_batch_and_only_that(batches):
+    ragged = [*batches[:3], {k: v[:5] for k, v in batches[3].items()}]
+    with sinkax.data_sink(train_step, ragged, 1, strategy="step", ragged_last=True) as sink:
+        state, losses = init_state(), []
+        for _ in range(8):  # two epochs
+            state, loss = sink(state)
+            losses.append(float(loss[0]))
+        assert sink.epoch == 2 and sink.step == 0
+    np.testing.assert_allclose(losses, reference_run(ragged, 8)[1], rtol=1e-5)
+    with sinkax.data_sink(train_step, ragged, 1, strategy="step") as sink:  # not asked for
+        for _ in range(3):
+            sink(init_state())
+        with pytest.raises(sinkax.BatchSpecError, match="drop_remainder=True"):
+            sink(init_state())
+    early = [batches[0], {k: v[:5] for k, v in batches[1].items()}, *batches[2:4]]
+    with sinkax.data_sink(train_step, early, 1, strategy="step", ragged_last=True) as sink:
+        sink(init_state())
+        with pytest.raises(sinkax.BatchSpecError, match=r"epoch 0, step 1"):
+            sink(init_state())
+    with pytest.raises(ValueError, match=r"ragged_last=True .* would run 'scan'.*strategy='step'"):
+        sinkax.data_sink(train_step, ragged, 1, strategy="scan", ragged_last=True)

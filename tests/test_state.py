@@ -274,6 +274,57 @@ def test_a_step_closing_over_replaced_params_is_refused_not_run_stale():
         np.testing.assert_allclose(sink(), [plain(params, b)["loss"] for b in data], rtol=1e-5)
 
 
+NOTEBOOK = """
+import types
+
+import jax
+import jax.numpy as jnp
+
+nnx = types.SimpleNamespace(state=lambda x: 2 * x)  # a module whose attribute is named `state`
+graphdef, state = None, jnp.ones(3)  # what `graphdef, state = nnx.split(model)` leaves
+params, scale = jnp.ones(3), jnp.ones(3)
+
+
+class Trainer:
+    def __init__(self):
+        self.params = jnp.zeros(3)
+
+    def step(self, carry, batch):  # `self.params` is no global `params`
+        return carry + self.params.sum(), nnx.state(batch[0]).sum()
+
+
+def scaled(carry, batch):  # reads the global `scale`, inside a lambda too
+    return carry, jax.tree.map(lambda x: x @ scale, batch[0]).sum()
+"""
+
+
+def notebook() -> dict:
+    """The globals of a notebook's cell that defines step functions beside array globals."""
+    namespace: dict = {}
+    exec(NOTEBOOK, namespace)
+    return namespace
+
+
+def test_attributes_named_like_array_globals_are_not_captures(recwarn):
+    cell = notebook()
+    with sinkax.data_sink(cell["Trainer"]().step, labelled(), sink_size=2) as sink:
+        sink(jnp.float32(0))
+        cell["state"], cell["params"] = jnp.zeros(3), jnp.zeros(3)  # the next cell's re-split
+        sink(jnp.float32(0))  # refused before: "replaced since it was compiled (params, state)"
+    assert not [w for w in recwarn if "captures arrays" in str(w.message)]
+
+
+def test_a_global_read_inside_a_lambda_is_a_capture():
+    cell = notebook()
+    with pytest.warns(UserWarning, match=r"captures arrays \(scale\)"):
+        sink = sinkax.data_sink(cell["scaled"], labelled(), sink_size=2)
+    with sink:
+        sink(jnp.float32(0))
+        cell["scale"] = 2 * jnp.ones(3)
+        with pytest.raises(ValueError, match=r"replaced since it was compiled \(scale\)"):
+            sink(jnp.float32(0))
+
+
 def test_a_partial_over_params_warns_that_each_one_compiles_again():
     plain = sinkax.make_eval_step(lambda p, x: x @ p)
     with (

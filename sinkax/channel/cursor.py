@@ -33,9 +33,9 @@ from sinkax import interrupt
 from sinkax.channel import packers
 from sinkax.channel.chunk import Chunk, Piece
 from sinkax.channel.plan import plan
-from sinkax.channel.position import check_data_state, move_to
+from sinkax.channel.position import DataPosition, check_fits, move_to
 from sinkax.channel.ring import DeviceRing
-from sinkax.channel.source import Source, snapshot
+from sinkax.channel.source import Source
 from sinkax.config import SinkConfig
 from sinkax.errors import SinkTimeoutError, warn
 from sinkax.spec import BatchSpec
@@ -61,9 +61,9 @@ class Cursor:
         config: SinkConfig,
         *,
         feed: str = "stacked",
-        data_state: dict[str, Any] | None = None,
+        data_state: DataPosition | None = None,
     ):
-        self._source, self._packer = source, packers.of(feed, config.sharding)
+        self._source, self._packer = source, packers.of(feed, config.sharding, config.ragged_last)
         self._plan = functools.partial(
             plan,
             config.sink_size,
@@ -75,7 +75,7 @@ class Cursor:
         self.prefetch, self.timeout = config.prefetch, config.timeout
         if data_state is not None:
             move_to(source, data_state)
-        self._committed = snapshot(source)
+        self._committed = DataPosition.of(source)
         self._chunk: Chunk | None = None  # being consumed, piece by piece
         self._piece = self._offset = 0
         self._in_flight: Any = None  # the outputs of the last window dispatched
@@ -89,12 +89,12 @@ class Cursor:
     @property
     def epoch(self) -> int:
         """Epoch of the next batch (from 0)."""
-        return self._committed["epoch"]
+        return self._committed.epoch
 
     @property
     def step(self) -> int:
         """Step within :attr:`epoch` of the next batch (from 0)."""
-        return self._committed["step"]
+        return self._committed.step
 
     @property
     def epoch_length(self) -> int | None:
@@ -119,12 +119,10 @@ class Cursor:
             "slot_wait_s": ring.slot_wait_s,
         }
 
-    def data_state(self) -> dict[str, Any]:
+    @property
+    def position(self) -> DataPosition:
         """The committed position (see ``Sink.data_state``)."""
-        state = dict(self._committed)
-        if self.epoch_length is not None:
-            state["epoch_length"] = self.epoch_length
-        return state
+        return self._committed
 
     def first_spec(self) -> BatchSpec:
         """The layout of every batch, waiting up to ``timeout`` for the first."""
@@ -171,11 +169,10 @@ class Cursor:
         """The call that ended with ``piece`` delivers its results: its position is committed."""
         started, waited = self._call_started
         self.busy_s += time.perf_counter() - started - (self.data_wait_s - waited)
-        self._committed = {
-            "epoch": piece.position.epoch,
-            "step": piece.position.step,
-            "source": piece.source_state,
-        }
+        where = piece.position
+        self._committed = DataPosition(
+            where.epoch, where.step, piece.source_state, self.epoch_length
+        )
         self.calls += 1
 
     def failed(self, consumed: bool) -> None:
@@ -261,8 +258,8 @@ class Cursor:
 
     def _stop_ring(self) -> bool:
         """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
+        self._chunk = None  # before its slot is freed: see _current_chunk
         self._finish_in_flight()
-        self._chunk = None
         self._finalizer.detach()
         return self._ring.close(self.timeout)
 
@@ -274,12 +271,12 @@ class Cursor:
             "indefinitely should time out by itself."
         )
 
-    def rewind(self, state: dict[str, Any]) -> None:
+    def rewind(self, state: DataPosition) -> None:
         """Continue from the position ``state`` (see ``Sink.data_state``); drops the prefetched
         chunks. ``ValueError`` if it does not fit the dataset (the cursor then stays where it
         was); if interrupted, the next :meth:`resync` finishes the rewind to the committed
         position."""
-        check_data_state(self._source, state)  # before the producer stops: a one-shot
+        check_fits(self._source, state)  # before the producer stops: a one-shot
         # iterator's producer cannot be restarted where it was
         self._resync = True  # until a producer runs from `_committed` again
         if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
@@ -291,11 +288,11 @@ class Cursor:
             move_to(self._source, state)
         except ValueError:  # the cursor stays where it was, its producer running
             with contextlib.suppress(Exception):
-                self._source.set_state(self._committed["source"])
+                self._source.set_state(dict(self._committed.source))
             self._start_ring()
             self._resync = False
             raise
-        self._committed = snapshot(self._source)
+        self._committed = DataPosition.of(self._source)
         self._start_ring()
         self._resync = False
 

@@ -86,6 +86,7 @@ class Packer(Protocol):
     """What the ring asks of a feed."""
 
     staged: bool  # chunks are built in a slot's staging, its memory: free it once computed on
+    ragged_last: bool  # an epoch's last batch may have fewer rows (see spec.check)
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         """A slot's staging buffers for ``steps`` batches of ``spec`` (if :attr:`staged`)."""
@@ -106,6 +107,7 @@ class Stacked:
     placed by ``sharding`` (of a chunk)."""
 
     staged = True
+    ragged_last = False  # a stacked chunk has one shape
 
     def __init__(self, sharding: jax.sharding.Sharding):
         self._sharding = sharding
@@ -128,7 +130,8 @@ class Stacked:
         data = placement.put(jax.tree_util.tree_unflatten(spec.treedef, rows), self._sharding)
         if not whole:
             data = self._pad(data, capacity)
-        jax.block_until_ready(data)  # any copy happens here, overlapped with the consumer
+        # not waiting for the transfer: the producer fills the next slot meanwhile, and a slot's
+        # staging is reused only once the compute on its chunk (so its transfer) is done
         return data, sum(buffer.nbytes for buffer in rows), not whole
 
     def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
@@ -136,9 +139,13 @@ class Stacked:
 
 
 class Unstacked:
-    """Each batch an own, aligned copy on the host; a chunk is the tuple of them."""
+    """Each batch an own, aligned copy on the host; a chunk is the tuple of them; with
+    ``ragged_last``, an epoch's last batch may have fewer rows."""
 
     staged = False
+
+    def __init__(self, ragged_last: bool = False):
+        self.ragged_last = ragged_last
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         return []
@@ -159,7 +166,9 @@ def padded(chunk: Any, rows: int) -> Any:
     return jax.tree.map(lambda x: jnp.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1)), chunk)
 
 
-def of(feed: str, sharding: jax.sharding.Sharding) -> Packer:
+def of(feed: str, sharding: jax.sharding.Sharding, ragged_last: bool = False) -> Packer:
     """The packer of a strategy's ``feed`` (``"stacked"`` or ``"unstacked"``) for batches placed
-    by ``sharding`` (of one batch)."""
-    return Stacked(placement.stacked(sharding)) if feed == "stacked" else Unstacked()
+    by ``sharding`` (of one batch); ``ragged_last``: see :class:`Unstacked`."""
+    if feed == "stacked":
+        return Stacked(placement.stacked(sharding))
+    return Unstacked(ragged_last)

@@ -1,67 +1,163 @@
-"""Data positions: checking a saved one against a source, and moving the source to it.
+"""The data position: where a sink's next call starts reading, as one checked, frozen value.
 
-A data position is what ``Sink.data_state()`` returns: ``{"epoch", "step", "source"}`` (the
-source's own state), JSON-friendly, with ``"epoch_length"`` when known and the ``"strategy"``
-that ran (checked by the executor, not here). See :func:`sinkax.channel.source.snapshot`.
+A :class:`DataPosition` is the epoch and step of the next batch, the source's own state (see
+:class:`~sinkax.channel.source.Source`), the epoch length when known (a resume onto another is
+refused) and the strategy that ran, once ``"auto"`` chose one. ``Sink.data_state()`` is its
+:meth:`~DataPosition.to_dict`, JSON-friendly; :meth:`~DataPosition.from_dict` reads that back
+(dicts saved before the epoch length or the strategy were kept still load), refusing a bad field
+by name. :func:`move_to` sets a source to a position, after :func:`check_fits`.
 
->>> from sinkax.channel.source import as_source, snapshot
+>>> from sinkax.channel.source import as_source
 >>> source = as_source([{"x": i} for i in range(4)])
->>> _ = next(source); saved = snapshot(source); _ = next(source)
+>>> _ = next(source); saved = DataPosition.of(source); _ = next(source)
+>>> saved.to_dict()
+{'epoch': 0, 'step': 1, 'source': {'epoch': 0, 'step': 1}, 'epoch_length': 4}
 >>> move_to(source, saved); next(source)["x"]
 1
+>>> DataPosition.from_dict({"epoch": -1, "step": 0, "source": {}})
+Traceback (most recent call last):
+ValueError: data_state['epoch'] must be an int >= 0 (the epoch of the next batch), got -1.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from sinkax.channel.source import Position, Source
 
+RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
 
-def check_data_state(source: Source, data_state: Any) -> None:
-    """``ValueError`` if ``data_state`` is not a :meth:`Sink.data_state` of ``source``'s kind;
-    changes nothing."""
-    if not (isinstance(data_state, dict) and {"epoch", "step", "source"} <= data_state.keys()):
-        raise ValueError(
-            "data_state must be what Sink.data_state() returned, a dict with 'epoch', 'step' "
-            f"and 'source'; got {data_state!r:.200}."
-        )
+_REQUIRED = ("epoch", "step", "source")
+_FIELDS = (*_REQUIRED, "epoch_length", "strategy")
+
+
+def _is_int(value: Any, least: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+
+
+def _field_error(field: str, allowed: str, value: Any) -> ValueError:
+    return ValueError(f"data_state[{field!r}] must be {allowed}, got {value!r:.200}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """Where the next batch comes from; every field checked when made (``ValueError`` naming
+    the bad field and what it may be).
+
+    ``epoch`` and ``step`` (from 0) locate the next batch; ``source`` is the source's own
+    state; ``epoch_length``: batches per epoch, when known; ``strategy``: what ``"auto"`` chose
+    (one of :data:`RECORDED`), once it has.
+    """
+
+    epoch: int
+    step: int
+    source: Mapping[str, Any]
+    epoch_length: int | None = None
+    strategy: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.epoch, 0):
+            raise _field_error("epoch", "an int >= 0 (the epoch of the next batch)", self.epoch)
+        if not _is_int(self.step, 0):
+            allowed = "an int >= 0 (the step within the epoch of the next batch)"
+            raise _field_error("step", allowed, self.step)
+        if not isinstance(self.source, Mapping):
+            raise _field_error("source", "a dict (the dataset's own state)", self.source)
+        if self.epoch_length is not None and not _is_int(self.epoch_length, 1):
+            allowed = "an int >= 1 (batches per epoch) or absent"
+            raise _field_error("epoch_length", allowed, self.epoch_length)
+        if self.epoch_length is not None and self.step >= self.epoch_length:
+            allowed = f"below its epoch_length, {self.epoch_length}"
+            raise _field_error("step", allowed, self.step)
+        if self.strategy is not None and self.strategy not in RECORDED:
+            allowed = f"one of {RECORDED} (what Sink.data_state() records) or absent"
+            raise _field_error("strategy", allowed, self.strategy)
+
+    @classmethod
+    def of(cls, source: Source) -> DataPosition:
+        """Where ``source`` stands."""
+        where = source.position
+        return cls(where.epoch, where.step, source.get_state(), source.epoch_length)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DataPosition:
+        """The position a :meth:`to_dict` gave (a :class:`DataPosition` is returned as is);
+        ``ValueError`` naming what is missing, unknown or out of range."""
+        if isinstance(data, DataPosition):
+            return data
+        if not (isinstance(data, Mapping) and set(_REQUIRED) <= data.keys()):
+            raise ValueError(
+                "data_state must be what Sink.data_state() returned, a dict with 'epoch', 'step' "
+                f"and 'source'; got {data!r:.200}."
+            )
+        unknown = sorted(map(str, data.keys() - set(_FIELDS)))
+        if unknown:
+            raise ValueError(
+                f"data_state has unknown key(s) {unknown}; a Sink.data_state() has {_FIELDS}."
+            )
+        values = {key: data[key] for key in _FIELDS if data.get(key) is not None}
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly: ``{"epoch", "step", "source"}``, and ``"epoch_length"`` and
+        ``"strategy"`` when known. A copy: changing it changes no sink."""
+        data = {"epoch": int(self.epoch), "step": int(self.step), "source": dict(self.source)}
+        if self.epoch_length is not None:
+            data["epoch_length"] = int(self.epoch_length)
+        if self.strategy is not None:
+            data["strategy"] = self.strategy
+        return copy.deepcopy(data)
+
+    @property
+    def position(self) -> Position:
+        """The epoch and step of the next batch."""
+        return Position(self.epoch, self.step)
+
+    def recording(self, strategy: str | None) -> DataPosition:
+        """This position with ``strategy`` recorded (``None`` keeps what it had)."""
+        return self if strategy is None else dataclasses.replace(self, strategy=strategy)
+
+
+def check_fits(source: Source, data: DataPosition) -> None:
+    """``ValueError`` if ``data`` is not a position of ``source``'s kind and length; changes
+    nothing."""
     try:
-        source.check_state(data_state["source"])
+        source.check_state(data.source)
     except ValueError as error:
         raise ValueError(
             f"This data_state does not fit the dataset: {error} Give what Sink.data_state() "
             "returned for a sink over the same dataset."
         ) from None
-    saved = data_state.get("epoch_length")
-    if saved is not None and saved != source.epoch_length:
-        raise _length_error(data_state, f"{saved} batches per epoch", source.epoch_length)
+    if data.epoch_length is not None and data.epoch_length != source.epoch_length:
+        raise _length_error(data, f"{data.epoch_length} batches per epoch", source.epoch_length)
 
 
-def _length_error(data_state: dict[str, Any], saved: str, length: int | None) -> ValueError:
+def _length_error(data: DataPosition, saved: str, length: int | None) -> ValueError:
     return ValueError(
         f"This data_state was saved over a dataset of another epoch length ({saved}) than this "
-        f"one ({length} batches per epoch), at epoch {data_state['epoch']}, step "
-        f"{data_state['step']}: resuming would run partial epochs. Resume with the dataset and "
-        "batch size it was saved with, or start without it."
+        f"one ({length} batches per epoch), at {data.position}: resuming would run partial "
+        "epochs. Resume with the dataset and batch size it was saved with, or start without it."
     )
 
 
-def move_to(source: Source, data_state: Any) -> None:
-    """Set ``source`` to a position saved by :meth:`Sink.data_state`; ``ValueError`` if it does
-    not fit, such as one saved over a dataset of another epoch length (the source is then left
-    where the state put it: restore it)."""
-    check_data_state(source, data_state)
+def move_to(source: Source, data: DataPosition) -> None:
+    """Set ``source`` to the position ``data``; ``ValueError`` if it does not fit, such as one
+    saved over a dataset of another epoch length (the source is then left where the state put
+    it: restore it)."""
+    check_fits(source, data)
     try:
-        source.set_state(data_state["source"])
+        source.set_state(dict(data.source))
     except Exception as error:
         raise ValueError(
             f"This data_state does not fit the dataset ({type(error).__name__}: {error}). Give "
             "what Sink.data_state() returned for a sink over the same dataset."
         ) from error
-    saved = Position(data_state["epoch"], data_state["step"])
     length = source.epoch_length
-    if source.position != saved or (length is not None and saved.step >= length):
-        index = data_state["source"].get("next_index")  # a grain state implies its length
-        implied = (index - saved.step) // saved.epoch if saved.epoch and index else None
-        raise _length_error(data_state, f"{implied or 'unknown'} batches per epoch", length)
+    if source.position != data.position or (length is not None and data.step >= length):
+        index = data.source.get("next_index")  # a grain state implies its length
+        implied = (index - data.step) // data.epoch if data.epoch and index else None
+        raise _length_error(data, f"{implied or 'unknown'} batches per epoch", length)

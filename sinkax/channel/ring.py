@@ -4,13 +4,12 @@ The producer pulls batches from a :class:`~sinkax.channel.source.Source`, checks
 the first batch's :class:`~sinkax.spec.BatchSpec`, hands it to the ring's packer
 (:mod:`sinkax.channel.packers`: stacked into a slot's staging buffers and put on the device, or
 copied and handed over unstacked, as the strategy's ``feed`` asks) and queues the chunk, ahead of
-the consumer. There are ``prefetch + 1`` slots. A chunk holds its slot from the moment the
-producer starts filling it until the consumer says its compute has finished
-(:meth:`DeviceRing.release`), so at most ``prefetch + 1`` chunks are ever on the device:
-``prefetch`` ready ahead and one being computed on.
+the consumer. A chunk holds one of the ``prefetch + 1`` slots from the moment the producer
+starts filling it until the consumer says its compute has finished (:meth:`DeviceRing.release`):
+at most ``prefetch + 1`` chunks are on the device, ``prefetch`` ready and one computed on.
 
-The producer follows a plan (:mod:`sinkax.channel.plan`) and reads nothing past what it asks
-for; each piece records the source position and state after its last batch.
+It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
+the source position and state after its last batch.
 
 A consumer that finds no chunk ready takes the complete pieces of the chunk being filled (a
 *cut*; the producer carries the batches it read past them over to its next chunk), so a batch
@@ -125,11 +124,7 @@ class DeviceRing:
             while True:
                 layout = leftover or next(layouts, None)
                 if layout is None:  # the plan's calls are all read
-                    raise SinkExhaustedError(
-                        "This sink has made every call it was created for (its `calls=`), and "
-                        "its producer read no data past them. Create it with a larger `calls=`, "
-                        "or without it to run on."
-                    )
+                    raise SinkExhaustedError()
                 staging = self._acquire_slot()
                 if staging is None:
                     return
@@ -192,7 +187,10 @@ class DeviceRing:
                 for _ in range(piece_steps):
                     where = self._source.position
                     batch = pending.popleft() if pending else self._read()
-                    leaves = batch.leaves if isinstance(batch, _Row) else check(spec, batch, where)
+                    last = self.packer.ragged_last and where.step + 1 == self._source.epoch_length
+                    leaves = (
+                        batch.leaves if isinstance(batch, _Row) else check(spec, batch, where, last)
+                    )
                     with self._lock:
                         if build.taken is not None:  # the batch starts the next chunk
                             self._building = None
@@ -311,12 +309,12 @@ class DeviceRing:
     def close(self, timeout: float) -> bool:
         """Stop the producer, drop the queued chunks; whether the producer ended in ``timeout`` s.
 
-        The producer stops between two batches; one blocked inside the dataset's ``next`` stays
-        until that returns (a daemon thread: it never holds up the interpreter's exit), then
-        closes the source and ends. A call waiting in :meth:`get` fails with
-        :class:`~sinkax.errors.SinkClosedError`.
+        The producer stops between two batches; one blocked in the dataset's ``next`` (a daemon
+        thread: it never holds up the interpreter's exit) closes the source and ends once that
+        returns. A call waiting in :meth:`get` fails with :class:`~sinkax.SinkClosedError`.
         """
         self._stopped = True
+        self._free.put(None)  # wakes a producer waiting for a slot now, not at its next poll
         self._ready.put(_Closed())  # wakes a waiting consumer now, not after the join
         waits = threading.current_thread() is not self._thread  # (collected in its own thread)
         if waits and not self._ended and self._running.acquire(timeout=timeout):

@@ -276,16 +276,6 @@ class IterableSource:
         getattr(self._iterator, "close", lambda: None)()
 
 
-def snapshot(source: Source) -> dict[str, Any]:
-    """Where ``source`` stands: ``{"epoch", "step", "source": its state}``, JSON-friendly, with
-    ``"epoch_length"`` when known (a resume onto another epoch length is refused)."""
-    position = source.position
-    state = {"epoch": position.epoch, "step": position.step, "source": source.get_state()}
-    if source.epoch_length is not None:
-        state["epoch_length"] = source.epoch_length
-    return state
-
-
 def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> Source:
     """The :class:`Source` reading ``dataset``; raises ``TypeError`` for what is not iterable."""
     if isinstance(dataset, grain.MapDataset):

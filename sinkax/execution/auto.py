@@ -14,7 +14,7 @@ import jax
 
 from sinkax import placement
 from sinkax.execution.compiler import Compiler
-from sinkax.execution.windowed import Windowed, chunk_sharding
+from sinkax.execution.windowed import Windowed
 from sinkax.pytree import layout
 
 CLEAR_MARGIN = 1.5
@@ -81,7 +81,7 @@ class Auto:
     def run(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:
         if self._key is None:
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk)
-            self._key = (layout(state), layout(batch), placement.platform(chunk_sharding(chunk)))
+            self._key = (layout(state), layout(batch), placement.platform(placement.of(chunk)))
         if self.chosen is None and self._use_decided and self._key in self._decisions:
             self.pin(self._decisions[self._key])
         if self.chosen is not None:

@@ -43,8 +43,9 @@ unstacked batches. This module resolves a sink's strategy by name and makes it.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from sinkax.channel.position import RECORDED
 from sinkax.execution.auto import Auto
 from sinkax.execution.compiler import Compiler
 from sinkax.execution.programs import StepFn
@@ -55,9 +56,6 @@ if TYPE_CHECKING:
     from sinkax.backend import Backend
 
 NAMES = ("auto", "scan", "loop", "step")
-
-
-RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
 
 
 ENV = "SINKAX_STRATEGY"  # pins what "auto" runs, e.g. SINKAX_STRATEGY=scan
@@ -117,15 +115,6 @@ def resolve(
     return name
 
 
-def check_recorded(recorded: Any) -> None:
-    """``ValueError`` unless ``recorded`` is a strategy a data position may record."""
-    if recorded not in RECORDED:
-        raise ValueError(
-            f"data_state['strategy'] must be one of {RECORDED} (what Sink.data_state() "
-            f"records), got {recorded!r:.100}."
-        )
-
-
 def pinned(name: str, recorded: str | None = None) -> str:
     """What a sink resolved to ``name`` (see :func:`resolve`) runs: ``"auto"`` -- which then
     measures -- becomes the strategy a saved data position ``recorded`` (see
@@ -136,8 +125,7 @@ def pinned(name: str, recorded: str | None = None) -> str:
     """
     if name != "auto":
         return name
-    if recorded is not None:
-        check_recorded(recorded)
+    if recorded is not None:  # checked by the position that recorded it
         return recorded
     env = os.environ.get(ENV, "auto")
     if env not in ("auto", *RECORDED):

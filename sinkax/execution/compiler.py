@@ -11,9 +11,11 @@ executables compiled them in as constants (:func:`captured_arrays`).
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import os
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,10 +33,33 @@ _CARRY_ARRAYS = (
 )
 
 
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_loaded: weakref.WeakKeyDictionary[types.CodeType, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def global_loads(code: types.CodeType) -> frozenset[str]:
+    """The global names ``code`` reads -- its ``LOAD_GLOBAL``/``LOAD_NAME`` instructions, and
+    those of the functions, lambdas and comprehensions defined in it -- not the attribute or
+    method names that ``code.co_names`` holds too (``nnx.state``, ``self.params``).
+
+    >>> state = None
+    >>> sorted(global_loads((lambda b: np.tanh(b).state + [state for _ in b]).__code__))
+    ['np', 'state']
+    """
+    names = _loaded.get(code)
+    if names is None:
+        nested = (c for c in code.co_consts if isinstance(c, types.CodeType))
+        names = frozenset(
+            i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS
+        ).union(*map(global_loads, nested))
+        _loaded[code] = names
+    return names
+
+
 def captured_arrays(fn: Any) -> dict[str, tuple[Any, ...]]:
     """The arrays ``fn`` compiles in as constants, by where they are: the array leaves of its
     closure cells, of a ``functools.partial``'s arguments, and of the module globals its code
-    names (one level: not those of the functions it calls).
+    reads (:func:`global_loads`; one level: not those of the functions it calls).
 
     >>> w = np.ones(2)
     >>> list(captured_arrays(functools.partial(lambda w, b: b @ w, w)))
@@ -61,7 +86,7 @@ def captured_arrays(fn: Any) -> dict[str, tuple[Any, ...]]:
         with contextlib.suppress(ValueError):  # an empty cell: not assigned yet
             add(name, cell.cell_contents)
     module = getattr(fn, "__globals__", {})
-    for name in code.co_names:
+    for name in sorted(global_loads(code)):
         if name in module:
             add(name, module[name])
     return found

@@ -39,15 +39,6 @@ from sinkax.spec import BatchSpec
 NO_STATE: Any = object()  # what a stateless call (``sink()``) passes as its state
 
 
-def recorded_strategy(data_state: Any) -> str | None:
-    """The strategy a saved data position recorded (``ValueError`` if it is not one a position
-    may record), or ``None``."""
-    if not (isinstance(data_state, dict) and "strategy" in data_state):
-        return None
-    strategies.check_recorded(data_state["strategy"])
-    return data_state["strategy"]
-
-
 class Executor:
     """Runs ``fn`` -- ``fn(state, batch) -> (state, out)``, or stateless ``fn(batch) -> out`` --
     on windows of chunks as ``config`` says (strategy, jit, sharding, graph dumps; see
@@ -74,6 +65,14 @@ class Executor:
             ),
             recorded,
         )
+        self.ragged_last = config.ragged_last
+        if self.ragged_last and self.feed != "unstacked":
+            raise ValueError(
+                "ragged_last=True takes an epoch's smaller last batch as it comes, which only "
+                "the 'step' strategy can: it runs each batch as its own executable, where the "
+                f"others stack batches. This sink would run {self.chosen!r}: pass sink_size=1 "
+                "and strategy='step' (one device, jit=True), or batch with drop_remainder=True."
+            )
         self.compiler = Compiler(fn, save_graphs=config.save_graphs)
         self.dispatches = 0
         self._strategy: Any = None
@@ -148,15 +147,17 @@ class Executor:
         arrays, static = self._partition(state) if stateful else ((), None)
         if self._stateful is None:
             check_step_form(self.fn, stateful)
-            self._stateful, self._static = stateful, static
+            self._static = static
             fn = self.fn if stateful else stateless(self.fn)
             if static is not None:  # an equinox module, say: compile around its functions
                 fn = with_static(fn, static)
                 self.compiler.specialise(static.key)
             self._step = fn
-            self._strategy = strategies.make(self.chosen, fn, self.compiler)
+            alike = not self.ragged_last  # else the step's executable is looked up per batch
+            self._strategy = strategies.make(self.chosen, fn, self.compiler, batches_alike=alike)
             if self._reselect:
                 self._strategy.reselect()
+            self._stateful = stateful  # last: a first call interrupted before makes it all again
         elif self._stateful != stateful:
             form = "sink(state)" if self._stateful else "sink()"
             raise TypeError(f"This sink was first called as {form}; call it the same way again.")

@@ -79,11 +79,6 @@ def keeping_shardings(program: Callable[..., Any], state: Any) -> Callable[..., 
     return kept
 
 
-def chunk_sharding(chunk: Any) -> jax.sharding.Sharding:
-    """Where ``chunk`` is (the sharding of its first leaf)."""
-    return jax.tree.leaves(chunk)[0].sharding
-
-
 class Windowed(abc.ABC):
     """A strategy over windows of device-resident chunks: :meth:`executables` compiles what a
     window needs (nothing runs, nothing is donated), :meth:`launch` runs it."""
@@ -119,7 +114,7 @@ class Windowed(abc.ABC):
         end_offset, end = self._end
         if offset == end_offset:
             return end
-        where = placement.replicated(chunk_sharding(chunk))
+        where = placement.replicated(placement.of(chunk))
         key = (offset, where)
         if key not in self._positions:
             self._positions[key] = jax.device_put(np.int32(offset), where)
@@ -152,7 +147,7 @@ class Scan(Windowed):
 
     def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
         def program() -> Any:
-            run = scan_window(self._fn, backend_of(chunk_sharding(chunk)), steps)
+            run = scan_window(self._fn, backend_of(placement.of(chunk)), steps)
             return keeping_shardings(run, state)
 
         return self._compiler.get("scan", steps, program, state, chunk, start)
@@ -197,7 +192,7 @@ class Loop(Windowed):
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
     ) -> tuple[Any, Any, jax.Array]:
         begin, step = executables
-        sharding = chunk_sharding(chunk)
+        sharding = placement.of(chunk)
         devices = sharding.device_set
         bounded = len(devices) > 1 and backend_of(sharding).xla_cpu
         started, self._started = self._started or begin(start), None

@@ -13,13 +13,14 @@ every step's loss of that sink; in non-sink mode it runs after every step with o
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sinkax.train import checks
 
 if TYPE_CHECKING:
     from sinkax.sink import SinkStats
@@ -104,22 +105,6 @@ class Callback:
         """After the last epoch, or once a stop was requested."""
 
 
-def _optional(module: str, user: str) -> Any:
-    """Import ``module``, an optional dependency, or explain how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"{user} needs {module.split('.')[0]}: pip install 'sinkax[train]'."
-        ) from error
-
-
-def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
-    return value
-
-
 class LossMonitor(Callback):
     """Prints ``epoch: 1 step: 125, loss is 0.0512...`` (the last step's loss).
 
@@ -132,7 +117,7 @@ class LossMonitor(Callback):
     """
 
     def __init__(self, per_print_times: int = 1):
-        self.per_print_times = _check_positive("per_print_times", per_print_times, 0)
+        self.per_print_times = checks.count("per_print_times", per_print_times, 0)
         self._last_print = 0
 
     def on_train_begin(self, run: RunContext) -> None:
@@ -231,7 +216,7 @@ class ProgressBar(Callback):
         self.bar: Any = None
 
     def on_train_begin(self, run: RunContext) -> None:
-        tqdm = _optional("tqdm.std", "ProgressBar").tqdm
+        tqdm = checks.optional("tqdm.std", "ProgressBar").tqdm
         total = (run.epochs - run.initial_epoch) * (run.steps_per_epoch or 0) or None
         self.bar = tqdm(total=total, unit="step", **self.tqdm_options)
 
@@ -260,7 +245,7 @@ class EvalCallback(Callback):
         verbose: bool = True,
     ):
         self.dataset = dataset
-        self.every_epochs = _check_positive("every_epochs", every_epochs)
+        self.every_epochs = checks.count("every_epochs", every_epochs)
         self.dataset_sink_mode = dataset_sink_mode
         self.verbose = verbose
         self.results: dict[int, dict[str, float]] = {}

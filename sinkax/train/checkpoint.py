@@ -17,7 +17,8 @@ import numpy as np
 
 from sinkax import distributed
 from sinkax.errors import warn
-from sinkax.train.callbacks import Callback, RunContext, _check_positive, _optional
+from sinkax.train import checks
+from sinkax.train.callbacks import Callback, RunContext
 
 
 def layout(tree: Any) -> list[list[Any]]:
@@ -81,14 +82,14 @@ class ModelCheckpoint(Callback):
         self, directory: str | os.PathLike[str], keep_last: int = 5, save_every_epochs: int = 1
     ):
         self.directory = os.path.abspath(os.fspath(directory))
-        self.keep_last = _check_positive("keep_last", keep_last)
-        self.save_every_epochs = _check_positive("save_every_epochs", save_every_epochs)
+        self.keep_last = checks.count("keep_last", keep_last)
+        self.save_every_epochs = checks.count("save_every_epochs", save_every_epochs)
         self._manager: Any = None
         self._completed: int | None = None  # the last epoch that ran to its end
         self._saved: int | None = None  # the step of the last save
 
     def _open(self) -> Any:
-        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
+        ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
         if self._manager is None:
             options = ocp.CheckpointManagerOptions(max_to_keep=self.keep_last)
             self._manager = ocp.CheckpointManager(
@@ -151,7 +152,7 @@ class ModelCheckpoint(Callback):
 
     def save(self, run: RunContext) -> None:
         """Save now (asynchronously: the state is copied to the host first)."""
-        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
+        ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
         state = jax.device_get(run.state)
         meta = {
             "epoch": run.epoch,
@@ -169,7 +170,7 @@ class ModelCheckpoint(Callback):
         Raises ``ValueError`` naming the differing leaves if the checkpoint was written by a
         model with another params or optimizer-state layout.
         """
-        ocp = _optional("orbax.checkpoint", "ModelCheckpoint")
+        ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
         self._close()  # pending saves finish first
         step = self.latest_step() if step is None else step
         if step is None:

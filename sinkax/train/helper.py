@@ -1,15 +1,14 @@
 """Custom training loops: :class:`DatasetHelper` and :func:`connect_network_with_dataset`.
 
 The helper decides how data reaches a step function; the connected network runs it. Iterating
-the helper once is one epoch:
+the helper once is one epoch; each item is one ``net(state)`` call, which returns ``(state,
+outs)`` with every step's output stacked on axis 0, so the same loop body serves both modes:
 
 * sink mode: one item per epoch, and each ``net(state)`` call runs one whole sink on the device
   (``sink_size`` steps, or the rest of the epoch for ``-1``) through :func:`sinkax.data_sink`;
-* non-sink mode: one host batch per item, and each ``net(state)`` call runs one (jitted) step on
-  the batch just yielded.
-
-Either way ``net(state)`` returns ``(state, outs)`` with every step's output stacked on axis 0,
-so the same loop body serves both modes:
+* non-sink mode: one item per batch, and each ``net(state)`` call runs one compiled step on the
+  next batch -- a sink of one step per call, with the ``"step"`` strategy, which takes a
+  smaller last batch where the dataset has one.
 
 >>> import numpy as np
 >>> data = [{"x": np.float32(i)} for i in range(4)]
@@ -30,26 +29,19 @@ import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sinkax import context, interrupt, placement
-from sinkax.backend import backend_of
-from sinkax.channel.position import move_to
-from sinkax.channel.source import as_source, snapshot
+from sinkax import context
+from sinkax.channel.source import known_length
 from sinkax.config import check_sink_size
 from sinkax.errors import SinkClosedError
-from sinkax.execution import choice as strategies
-from sinkax.execution.compiler import Compiler
-from sinkax.execution.executor import NO_STATE
-from sinkax.execution.programs import with_leading_axis
-from sinkax.execution.stepfn import stateless
 from sinkax.sink import Sink, SinkStats, data_sink
 
 
 class DatasetHelper:
-    """How a dataset feeds a connected network: one sink or one host batch per iteration.
+    """How a dataset feeds a connected network: one sink or one batch per iteration.
 
     Args:
       dataset: what :func:`sinkax.data_sink` accepts; non-sink mode needs a known ``len()``.
-      dataset_sink_mode: sink (``True``) or feed host batches one step at a time (``False``).
+      dataset_sink_mode: sink (``True``) or one step per batch (``False``).
       sink_size: steps per epoch in sink mode: ``-1`` is a whole pass over the dataset, ``> 0``
         is ``sink_size`` steps continuing where the last epoch stopped. Ignored in non-sink
         mode, where every epoch is a whole pass.
@@ -57,21 +49,21 @@ class DatasetHelper:
         (stops the data producer). Iterating it again raises :class:`~sinkax.SinkClosedError`.
       data_state: a :meth:`data_state` to continue from (e.g. read from a checkpoint).
       **sink_options: more :func:`sinkax.data_sink` options (``jit``, ``strategy``,
-        ``prefetch``, ``device``, ...); non-sink mode uses ``jit``, ``device`` and
-        ``read_options``.
+        ``prefetch``, ``device``, ...); non-sink mode chooses the strategy itself (``"step"``,
+        or ``"scan"`` over several devices).
 
-    Items yielded: in sink mode the number of steps the next ``net(state)`` call runs; in
-    non-sink mode the host batch it runs on.
+    Items yielded: the number of steps the next ``net(state)`` call runs (``1`` in non-sink
+    mode); call ``net`` once per item.
 
     >>> import numpy as np
     >>> data = [(np.float32(i), np.float32(1)) for i in range(3)]
     >>> helper = DatasetHelper(data, dataset_sink_mode=False)
     >>> net = connect_network_with_dataset(lambda s, b: (s + b[0], b[0]), helper)
     >>> state = np.float32(0)
-    >>> for x, _ in helper:
+    >>> for steps in helper:
     ...     state, outs = net(state)
-    >>> float(state), outs.shape, helper.data_state()["epoch"]
-    (3.0, (1,), 1)
+    >>> float(state), steps, outs.shape, helper.data_state()["epoch"]
+    (3.0, 1, (1,), 1)
     """
 
     def __init__(
@@ -91,31 +83,31 @@ class DatasetHelper:
         self.dataset_sink_mode = bool(dataset_sink_mode)
         self.sink_size = check_sink_size(sink_size) if self.dataset_sink_mode else -1
         self.epoch_num = int(epoch_num)
+        if not self.dataset_sink_mode and known_length(dataset) is None:
+            raise ValueError(
+                f"dataset_sink_mode=False runs whole passes over the dataset, which needs a "
+                f"dataset of known length; {type(dataset).__name__} has no len(). Use a sized "
+                "dataset (a grain MapDataset, a list) or sink mode with sink_size > 0."
+            )
         self._options = sink_options
+        self._data_state = data_state
         self._epochs_done = 0
-        self._epoch_from: dict[str, Any] | None = None  # where the epoch under way started
+        self._epoch_from: dict[str, Any] | None = None  # the position the epoch under way began
         self._sink: Sink | None = None
-        self._host: _HostFeed | None = None
-        self._net: _HostNet | None = None
-        if self.dataset_sink_mode:
-            self._data_state = data_state
-        else:
-            self._host = _HostFeed(dataset, data_state, sink_options.get("read_options"))
 
     # -- position ---------------------------------------------------------------------------
-    def _channel(self) -> Sink | _HostFeed:
-        channel = self._host or self._sink
-        if channel is None:
+    def _connected(self) -> Sink:
+        if self._sink is None:
             raise RuntimeError(
-                "This sink-mode DatasetHelper has no network yet: connect one with "
+                "This DatasetHelper has no network yet: connect one with "
                 "connect_network_with_dataset(step_fn, helper) before iterating it."
             )
-        return channel
+        return self._sink
 
     @property
     def epoch_length(self) -> int | None:
         """Batches in one pass over the dataset, when known."""
-        return self._channel().epoch_length
+        return self._connected().epoch_length
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -124,22 +116,21 @@ class DatasetHelper:
 
     def data_state(self) -> dict[str, Any]:
         """Where the next step reads, as :meth:`sinkax.Sink.data_state`: save it to resume."""
-        return self._channel().data_state()
+        return self._connected().data_state()
 
     @property
     def stats(self) -> SinkStats | None:
         """The sink's :class:`~sinkax.SinkStats` (``None`` in non-sink mode)."""
-        return self._sink.stats if self._sink else None
+        return self._sink.stats if self._sink and self.dataset_sink_mode else None
 
     # -- iteration --------------------------------------------------------------------------
     def __len__(self) -> int:
         """Items in the next epoch: ``1`` in sink mode, the batches left in non-sink mode."""
-        if self.dataset_sink_mode:
-            return 1
-        return self._host.epoch_length - self._host.step  # type: ignore[union-attr]
+        sink = self._connected()
+        return 1 if self.dataset_sink_mode else sink.epoch_length - sink.step  # type: ignore[operator]
 
-    def __iter__(self) -> Iterator[Any]:
-        channel = self._channel()
+    def __iter__(self) -> Iterator[int]:
+        sink = self._connected()
         self._count_epoch()  # one whose last step ran before a Ctrl-C stopped this generator
         if self._epochs_done >= self.epoch_num:
             self.close()  # (done already, unless a Ctrl-C came between the count and the close)
@@ -149,12 +140,13 @@ class DatasetHelper:
                 "data_state=helper.data_state() to continue)."
             )
         if self._epoch_from is None:
-            self._epoch_from = channel.data_state()
-        if self._sink is not None:
-            yield self.sink_size if self.sink_size > 0 else self._sink.epoch_length - channel.step
+            self._epoch_from = sink.data_state()
+        if self.dataset_sink_mode:
+            yield self.sink_size if self.sink_size > 0 else sink.epoch_length - sink.step  # type: ignore[operator]
         else:
             for _ in range(len(self)):
-                yield self._host.pull()  # type: ignore[union-attr]
+                sink.item = (sink.epoch, sink.step)  # type: ignore[attr-defined]
+                yield 1
         self._count_epoch()
 
     def _count_epoch(self) -> None:
@@ -166,7 +158,7 @@ class DatasetHelper:
         start = self._epoch_from
         if start is None:
             return
-        now = self._channel().data_state()
+        now = self._connected().data_state()
         moved = (now["epoch"], now["step"]) != (start["epoch"], start["step"])
         if now["epoch"] > start["epoch"] or (self.sink_size > 0 and moved):
             self._epochs_done, self._epoch_from = self._epochs_done + 1, None  # no call between
@@ -178,8 +170,6 @@ class DatasetHelper:
         """Stop the data producer; idempotent. :meth:`data_state` stays readable."""
         if self._sink is not None:
             self._sink.close()
-        if self._host is not None:
-            self._host.close()
 
     def __enter__(self) -> DatasetHelper:
         return self
@@ -188,66 +178,18 @@ class DatasetHelper:
         self.close()
 
 
-class _HostFeed:
-    """Non-sink mode: the dataset read on the host, one batch handed out at a time.
+def one_step_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The :func:`sinkax.data_sink` options of non-sink mode: the ``"step"`` strategy -- the
+    compiled step on each batch as it comes, a smaller last one too (``ragged_last``) -- or,
+    over several devices, ``"scan"``; without jit, ``"eager"``.
 
-    A batch counts as read once the network's step on it has finished (:class:`_HostNet` then
-    sets ``committed`` and ``stepped``); a batch whose step was interrupted is handed out again,
-    so no batch is skipped or repeated.
+    >>> one_step_options({"jit": True})
+    {'jit': True, 'strategy': 'step', 'ragged_last': True}
     """
-
-    def __init__(self, dataset: Any, data_state: dict[str, Any] | None, read_options: Any):
-        self._source = as_source(dataset, read_options)
-        self.epoch_length = self._source.epoch_length
-        if self.epoch_length is None:
-            raise ValueError(
-                f"dataset_sink_mode=False runs whole passes over the dataset, which needs a "
-                f"dataset of known length; {type(dataset).__name__} has no len(). Use a sized "
-                "dataset (a grain MapDataset, a list) or sink mode with sink_size > 0."
-            )
-        if data_state is not None:
-            try:
-                move_to(self._source, data_state)
-            except ValueError:
-                self._source.close()
-                raise
-        self.committed = snapshot(self._source)  # where the next batch to step on comes from
-        self.pending: Any = None  # the batch handed out last
-        self.pending_position = self.committed  # where the batch after it comes from
-        self.stepped = True  # whether the network's step on `pending` has finished
-        self._reading = False  # a pull is under way: the source may be past `committed`
-
-    @property
-    def step(self) -> int:
-        return self.committed["step"]
-
-    def data_state(self) -> dict[str, Any]:
-        return dict(self.committed)
-
-    def pull(self) -> Any:
-        """The batch to step on next: a new one, or again the last if its step did not finish."""
-        if self.stepped:
-            if self._reading:  # a pull was interrupted after reading: read that batch again
-                move_to(self._source, self.committed)
-            self._reading = True
-            batch = next(self._source)
-            position = snapshot(self._source)
-            self.pending, self.pending_position, self.stepped = batch, position, False
-            self._reading = False  # (no call since the stores: no Ctrl-C in between)
-        return self.pending
-
-    def take(self) -> Any:
-        """The batch last pulled, for the network's one step on it."""
-        if self.stepped:
-            raise RuntimeError(
-                "In non-sink mode the connected network runs on the batch the DatasetHelper "
-                "just yielded: call net(state) once per item of `for _ in helper`."
-            )
-        return self.pending
-
-    def close(self) -> None:
-        self._source.close()
-        interrupt.release()
+    sharding = options.get("sharding")
+    if sharding is not None and len(sharding.device_set) > 1:
+        return {**options, "strategy": "scan"}
+    return {**options, "strategy": "step", "ragged_last": context.jit_enabled(options.get("jit"))}
 
 
 def connect_network_with_dataset(
@@ -257,9 +199,9 @@ def connect_network_with_dataset(
 
     ``fn(state, batch) -> (state, out)`` gives ``net(state) -> (state, outs)``; a stateless
     ``fn(batch) -> out`` gives ``net() -> outs``. ``outs`` stacks each step's output on axis 0
-    (one row per step of the sink; one row in non-sink mode). In sink mode ``net`` is the
-    :class:`~sinkax.Sink` itself, and the state passed in is donated: use the returned one.
-    A helper feeds one network.
+    (one row per step of the sink; one row in non-sink mode). ``net`` runs a
+    :class:`~sinkax.Sink` -- in sink mode it is that sink -- and the state passed in is
+    donated: use the returned one. A helper feeds one network.
 
     >>> import numpy as np
     >>> helper = DatasetHelper([np.float32(2)] * 3, sink_size=2, epoch_num=1)
@@ -268,70 +210,29 @@ def connect_network_with_dataset(
     [[20.0, 20.0]]
     """
     helper = dataset_helper
-    if helper._sink is not None or helper._net is not None:
+    if helper._sink is not None:
         raise RuntimeError("This DatasetHelper already feeds a network; create one per network.")
-    if helper.dataset_sink_mode:
-        options = {"calls": helper.epoch_num, **helper._options}  # a call an epoch: nothing
-        helper._sink = data_sink(  # is read or moved to the device past the last one
-            fn, helper.dataset, helper.sink_size, data_state=helper._data_state, **options
-        )
-        return helper._sink
-    helper._net = _HostNet(fn, helper._host, helper._options)  # type: ignore[arg-type]
-    return helper._net
+    if helper.dataset_sink_mode:  # a call an epoch: nothing is read or moved past the last
+        size, options = helper.sink_size, {"calls": helper.epoch_num, **helper._options}
+    else:
+        size, options = 1, one_step_options(helper._options)
+    make = data_sink if helper.dataset_sink_mode else _StepPerItem
+    helper._sink = make(fn, helper.dataset, size, data_state=helper._data_state, **options)
+    return helper._sink
 
 
-class _HostNet:
-    """Non-sink mode: one step on the batch the helper yielded, its output stacked as a window of
-    one -- the ``"step"`` strategy (``"eager"`` without jit), whose executables every sink and
-    helper of the same step function share."""
+class _StepPerItem(Sink):
+    """Non-sink mode's network: a sink of one step per call, which runs once per item the
+    helper yields (so that an epoch is the helper's pass over the batches left in it). Its
+    calls are the sink's own, no Python frame around them: a Ctrl-C after one returns is
+    held as the sink holds it."""
 
-    def __init__(self, fn: Callable[..., Any], feed: _HostFeed, options: dict[str, Any]):
-        self._feed = feed
-        options = context.sink_options(options)  # what data_sink fills in, the same way
-        self._sharding = placement.resolve(
-            options.get("device"), options.get("sharding"), context.default_device
-        )
-        devices = placement.devices(self._sharding)
-        name = strategies.resolve(  # "step" on one device, "eager" without jit
-            "step" if devices == 1 else "scan",
-            jit=options["jit"],
-            steps_per_call=1,
-            backend=backend_of(self._sharding),
-            devices=devices,
-        )
-        self._stacked = strategies.kind(name).feed == "stacked"
-        compiler = Compiler(fn, save_graphs=options["save_graphs"])
-        # the host batches are unchecked: an eval pass may end on a smaller one
-        self._stateful = strategies.make(name, fn, compiler, batches_alike=False)
-        self._stateless = strategies.make(name, stateless(fn), compiler, batches_alike=False)
-        self._returned: Any = None  # the state the last step returned: on the device already
+    item: tuple[int, int] | None = None  # where the batch of the item last yielded starts
 
-    def __call__(self, state: Any = NO_STATE) -> Any:
-        interrupt.deliver_held()
-        feed = self._feed
-        batch = feed.take()
-        if self._stacked:  # a window of one batch, stacked on the device
-            window = with_leading_axis(placement.put(batch, self._sharding))
-        else:  # "step": XLA takes the host batch at dispatch, as a plain jitted step does
-            window = (batch,)
-        handoff = interrupt.Handoff()  # as in Sink.__call__
-        try:
-            if state is NO_STATE:
-                out = self._stateless.run((), window, 0, 1)[1]
-            else:
-                if state is not self._returned:  # (device_put walks the tree: ~80 µs a state)
-                    state = placement.place_state(state, self._sharding)
-                handoff.donating(state)  # the step donates it: hold a later Ctrl-C
-                out = self._stateful.run(state, window, 0, 1)
-                self._returned = out[0]
-            handoff.dispatched()  # hold Ctrl-C to the return
-            del state, batch, window  # freed (µs) while a Ctrl-C is held, not after the guard
-            interrupt.checkpoint()  # a Ctrl-C that came meanwhile is handled here, and held
-        except BaseException:
-            handoff.failed()
-            raise
-        # A Ctrl-C from here on is held (see Sink.__call__): the step's output and the data
-        # position reach the caller together.
-        feed.committed, feed.stepped = feed.pending_position, True
-        handoff.state = None  # a store, no call: see interrupt.Handoff
-        return out
+    def _check_open(self) -> None:  # what a call checks first, inside its error path
+        super()._check_open()
+        if self.item != (self.epoch, self.step):
+            raise RuntimeError(
+                "In non-sink mode the connected network runs one step per item the "
+                "DatasetHelper yields: call net(state) once per item of `for _ in helper`."
+            )

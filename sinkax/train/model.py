@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sinkax import context, distributed
+from sinkax import backend, context, distributed
 from sinkax.errors import warn
 from sinkax.pytree import copy_tree
 from sinkax.train.callbacks import Callback, RunContext
@@ -121,7 +121,7 @@ class Model:
                 params, optimizer, opt_state, model_state=model_state, rng=rng
             )
         # committed to its device, as every state a run returns: copying one compiles once
-        self.state = jax.device_put(self.state, context.default_device())
+        self.state = jax.device_put(self.state, backend.default_device())
         self._eval_step = make_eval_step(apply_fn, loss_fn, metrics=metrics, **keys)
         # one bound method for every eval: compiled executables are cached by step function
         self._eval_and_count = self._eval_and_count
@@ -257,7 +257,7 @@ class Model:
         if not isinstance(checkpoint, ModelCheckpoint):
             checkpoint = ModelCheckpoint(checkpoint)
         state, meta = checkpoint.restore(self.state, step)
-        state = jax.device_put(state, context.default_device())
+        state = jax.device_put(state, backend.default_device())
         meta["data_state"] = distributed.own_position(meta["data_state"])
         return state, {key: meta[key] for key in ("epoch", "step", "data_state")}
 

@@ -22,7 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from sinkax.train.callbacks import Callback, RunContext, _optional
+from sinkax.train import checks
+from sinkax.train.callbacks import Callback, RunContext
 
 
 class MetricWriter(abc.ABC):
@@ -59,7 +60,7 @@ class TensorBoardWriter(MetricWriter):
     """
 
     def __init__(self, logdir: str | os.PathLike[str]):
-        tensorboardx = _optional("tensorboardX", "TensorBoardWriter")
+        tensorboardx = checks.optional("tensorboardX", "TensorBoardWriter")
         self.logdir = os.fspath(logdir)
         self._writer = tensorboardx.SummaryWriter(self.logdir)
 

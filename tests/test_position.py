@@ -1,0 +1,76 @@
+"""The data position: one typed value, read back from the dicts ``Sink.data_state()`` gives."""
+
+import json
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import collect_index, indexed_map_dataset
+
+import sinkax
+from sinkax.channel.position import DataPosition
+
+SIX = [{"index": np.array([i], np.int32)} for i in range(6)]
+
+
+def seen(outs) -> list[int]:
+    return np.asarray(outs).ravel().tolist()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("step", -1, r"an int >= 0"),
+        ("step", True, r"an int >= 0"),
+        ("step", 6, r"below its epoch_length, 6"),
+        ("epoch", "1", r"an int >= 0"),
+        ("epoch", 1.0, r"an int >= 0"),
+        ("epoch_length", 0, r"an int >= 1"),
+        ("source", [0, 1], r"a dict"),
+        ("strategy", "fast", r"one of \('scan', 'loop'\)"),
+    ],
+)
+def test_a_bad_field_is_refused_by_name_with_what_it_may_be(field, value, allowed):
+    with sinkax.data_sink(collect_index, SIX, 2) as sink:
+        sink(jnp.int32(0))
+        saved = sink.data_state()
+        bad = {**saved, field: value}
+        match = rf"data_state\['{field}'\] must be {allowed}.*got {re.escape(repr(value))}\."
+        with pytest.raises(ValueError, match=match):
+            sinkax.data_sink(collect_index, SIX, 2, data_state=bad)
+        with pytest.raises(ValueError, match=match):
+            sink.restore_data_state(bad)
+        assert sink.data_state() == saved  # refused before anything moved
+        assert seen(sink(jnp.int32(0))[1]) == [2, 3]
+
+
+def test_missing_and_unknown_keys_are_named():
+    with pytest.raises(ValueError, match=r"a dict with 'epoch', 'step' and 'source'"):
+        DataPosition.from_dict({"epoch": 0, "step": 0})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['epoch_lenght'\]"):
+        DataPosition.from_dict({"epoch": 0, "step": 0, "source": {}, "epoch_lenght": 4})
+
+
+def test_a_position_survives_json_and_older_dicts_still_load():
+    with sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=None), 4) as sink:
+        sink(jnp.int32(0))
+        position = sink.position
+        saved = json.loads(json.dumps(sink.data_state()))
+    assert DataPosition.from_dict(saved) == position
+    assert saved == {"epoch": 0, "step": 4, "source": {"next_index": 4}, "epoch_length": 6}
+    assert position.strategy == saved.get("strategy")
+    older = {"epoch": 0, "step": 4, "source": {"next_index": 4}}  # saved before epoch_length
+    assert DataPosition.from_dict(older).epoch_length is None
+    for start in (older, position):
+        with sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=None), 2) as sink:
+            sink.restore_data_state(start)
+            assert seen(sink(jnp.int32(0))[1]) == list(range(16, 24))
+
+
+def test_a_saved_dict_is_a_copy():
+    with sinkax.data_sink(collect_index, SIX, 2) as sink:
+        sink(jnp.int32(0))
+        saved = sink.data_state()
+        saved["source"]["step"] = 5
+        assert sink.data_state()["source"]["step"] == 2
