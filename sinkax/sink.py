@@ -27,7 +27,7 @@ from typing import Any
 import grain
 import jax
 
-from sinkax import context, distributed, interrupt, pjrt, placement
+from sinkax import context, interrupt, peers, pjrt, placement
 from sinkax.channel.cursor import Cursor
 from sinkax.channel.plan import chunk_steps
 from sinkax.channel.position import DataPosition
@@ -78,7 +78,7 @@ class SinkStats:
 
 def _shaping(config: SinkConfig) -> dict[str, Any]:
     """The options that shape a sink's compiled programs and chunks, as the processes of a job
-    compare them (:class:`~sinkax.distributed.Peers`)."""
+    compare them (:class:`~sinkax.peers.Peers`)."""
     shaping = ("sink_size", "jit", "strategy", "max_chunk_bytes", "calls", "ragged_last")
     return {**{name: getattr(config, name) for name in shaping}, "mesh": str(config.sharding)}
 
@@ -114,7 +114,7 @@ class Sink:
             start = None if data_state is None else DataPosition.from_dict(data_state)
             recorded = start.strategy if start else None
             self._executor = Executor(fn, config, steps_per_call=steps, recorded=recorded)
-            self._peers = distributed.Peers.of(
+            self._peers = peers.Peers.of(
                 config.sharding,
                 config.timeout,
                 **_shaping(config),
@@ -184,7 +184,7 @@ class Sink:
             # runs whole and the sink is left usable; handoff.failed() passes it on after.
             handoff.state = interrupt.DISPATCHED
             self._peers.fail(error)  # the other processes raise too, none waits for this one
-            if isinstance(error, distributed.PeerTimeoutError):  # the last dispatch may wait
+            if isinstance(error, peers.PeerTimeoutError):  # the last dispatch may wait
                 cursor.abandon()  # for a process that is gone: close() must not wait for it
             cursor.failed(consumed=bool(parts))  # the next call rewinds what this one took
             self._running = False

@@ -142,7 +142,7 @@ class Cursor:
         """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.
 
         ``agree(take, describe)`` takes the chunk (across processes: once all agree that
-        ``describe`` of it is the same everywhere, see :class:`sinkax.distributed.Peers`).
+        ``describe`` of it is the same everywhere, see :class:`sinkax.peers.Peers`).
         """
         chunk = agree(self._current_chunk, self._describe)
         return chunk.data, chunk.pieces[self._piece], self._offset
