@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -60,6 +61,8 @@ class PeerTimeoutError(PeerError, SinkTimeoutError):
 
 class Alone:
     """One process: nothing to agree on."""
+
+    waited_s = 0.0
 
     def agree(self, fetch: Callable[[], T], describe: Callable[[T], dict[str, Any]]) -> T:
         """``fetch()``."""
@@ -102,6 +105,7 @@ class Peers:
         self._timeout_ms = int(2 * timeout * 1000)
         self._round = 0
         self._timed_out: str | None = None  # why a round timed out, once one has
+        self.waited_s = 0.0  # at the barrier: for the other processes
         self._included: dict[str, Any] = {}
         self._raised: BaseException | None = None  # by the last round, which every process saw
 
@@ -143,11 +147,14 @@ class Peers:
         folder = f"{self._name}/{round_ % 2}/"
         mine = {"round": round_, **status}
         self._client.key_value_set(f"{folder}{self._me}", json.dumps(mine), allow_overwrite=True)
+        t0 = time.perf_counter()
         try:
             self._client.wait_at_barrier(f"{self._name}/barrier", self._timeout_ms)
         except Exception as error:  # the service's DEADLINE_EXCEEDED, for every process
             self._timed_out = self._late(self._statuses(folder, round_), doing, error)
             raise self._raise(PeerTimeoutError(self._timed_out)) from None
+        finally:
+            self.waited_s += time.perf_counter() - t0
         statuses = self._statuses(folder, round_)
         for process, theirs in sorted(statuses.items()):
             if "error" in theirs and process != self._me:

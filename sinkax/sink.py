@@ -52,6 +52,9 @@ class SinkStats:
     ``device_bytes`` and ``peak_device_bytes``: the bytes in use on the sink's devices now and at
     most, as their ``memory_stats()`` report them (every user of the devices counts; the
     emulated device and GPUs report them, ``None`` where a device does not, as XLA:CPU's).
+    ``peer_wait_s``: across processes, time this one waited before dispatches for the others to
+    get their data ready (:mod:`sinkax.peers`; 0 in one process). Time spent inside a
+    collective, waiting for a process that dispatched later, counts as compute.
     """
 
     steps: int
@@ -69,6 +72,7 @@ class SinkStats:
     interactions: pjrt.Interactions | None = None
     device_bytes: int | None = None
     peak_device_bytes: int | None = None
+    peer_wait_s: float = 0.0
 
     @property
     def bound(self) -> str:
@@ -264,6 +268,7 @@ class Sink:
             **counts,
             interactions=pjrt.since(self._interactions_at_start),
             **placement.memory(self.config.sharding),
+            peer_wait_s=self._peers.waited_s,
         )
 
     def _check_open(self) -> None:

@@ -114,6 +114,7 @@ def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
             data_state = sink.data_state()
             result["strategy"] = sink.stats.strategy
             result["chunks"] = sink.stats.chunks_transferred
+            result["peer_wait_s"] = sink.stats.peer_wait_s
     result["ids"] = ids
     result["data_state"] = {k: data_state[k] for k in ("epoch", "step")}
     return state, (args.calls + args.resume_calls) * args.sink_size

@@ -150,6 +150,16 @@ def test_processes_with_different_chunk_sizes_fail_with_a_value_error(job):
         assert "1000000" in result["message"] and "64" in result["message"]
 
 
+def test_the_time_a_process_waits_for_the_other_is_counted(job):
+    # process 1 stops for 1.5 s before its 2nd call (both have finished the 1st: the job
+    # gathers each call's ids): process 0 waits for it before that call's dispatch
+    stopped = ["--stop-process", "1", "--stop-at", "1", "--stop-for", "1.5"]
+    results = job(2, 2, "--calls", "3", "--sink-size", "2", *stopped)
+    check_training(results, steps=6, devices=4, processes=2)
+    assert results[0]["peer_wait_s"] > 1.0
+    assert results[1]["peer_wait_s"] < 1.0  # it came last
+
+
 def test_a_process_stopped_past_the_timeout_fails_both_in_bounded_time(job):
     # process 1 stops (SIGSTOP) before its 4th call for 8 s; the timeout is 2 s
     stopped = ["--stop-process", "1", "--stop-at", "3", "--stop-for", "8"]
