@@ -13,7 +13,16 @@ Two parts, each timed as interleaved repeats in one process (ratios compare figu
   ``--block-every`` steps (default 1): unbounded, its queued steps' all-reduces deadlocked
   XLA:CPU's forced devices here (the sink's ``"scan"`` has at most one call in flight).
 
-The 4 "devices" share this machine's cores: nothing here shows scaling, only overhead (see
+* the same 4 devices, the state FSDP-style (every leaf whose first axis divides by 4 split with
+  ``P("data")``) against replicated: the sink's steps/s with each (no target: what sharding
+  the state costs or saves here);
+* 2 processes x 2 forced devices (``sinkax.launch``), process 1's data taking 0, 2 or 5 ms a
+  batch, process 0's none: each process's steps/s and the fraction of its time spent waiting
+  for the other to get its data ready (``SinkStats.peer_wait_s``) and for its own data
+  (``data_wait_s``). A wait inside a collective, for a process that dispatched later, is not
+  told apart from compute here.
+
+The "devices" share this machine's cores: nothing here shows scaling, only overhead (see
 docs/guide/data_parallel.md for what to expect on a cluster).
 
     python benchmarks/data_parallel.py            # CPU, a few minutes on 2 cores
@@ -22,17 +31,22 @@ docs/guide/data_parallel.md for what to expect on a cluster).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 from _common import fresh, median_rate, save, table, workload
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sink_sizes import sinkax_run
+
+import sinkax
 
 
 def mesh_sharding(devices: int) -> NamedSharding:
@@ -61,7 +75,8 @@ def plain_sharded_run(w, steps, sharding, block_every):
 
 
 def interleaved(runs: dict, repeats: int) -> dict[str, float]:
-    """Median steps/s of each run, the runs taking turns ``repeats`` times."""
+    """Median steps/s of each run, the runs taking turns ``repeats`` times; a run returns its
+    steps (timed whole) or ``(steps, seconds)`` (it timed the part that counts itself)."""
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
@@ -125,14 +140,117 @@ def four_devices(repeats: int, block_every: int) -> list[dict]:
     return rows
 
 
+def fsdp(state, mesh):
+    """``state`` with every leaf whose first axis divides by the mesh size split over it."""
+    size = mesh.devices.size
+
+    def place(x):
+        split = x.ndim and x.shape[0] % size == 0
+        return jax.device_put(x, NamedSharding(mesh, P("data") if split else P()))
+
+    return jax.tree.map(place, state)
+
+
+def sharded_state(repeats: int) -> list[dict]:
+    sharding = mesh_sharding(4)
+    w = workload("mlp", 200)
+    split = dataclasses.replace(w, init=lambda: fsdp(w.init(), sharding.mesh))
+    runs = {
+        "replicated": sinkax_run(w, 300, 100, "scan", sharding=sharding)[0],
+        "fsdp": sinkax_run(split, 300, 100, "scan", sharding=sharding)[0],
+    }
+    rates = interleaved(runs, repeats)
+    return [
+        {
+            "part": "4 forced host devices, state",
+            "workload": "mlp",
+            "sink_size": 100,
+            "baseline": "state replicated",
+            "baseline steps/s": rates["replicated"],
+            "sharded steps/s": rates["fsdp"],
+            "ratio": rates["fsdp"] / rates["replicated"],
+            "target": None,
+            "strategy": "scan, state P('data')",
+        }
+    ]
+
+
+class Delayed:
+    """This process's rows of ``batches``, each after ``delay`` seconds."""
+
+    def __init__(self, batches, delay):
+        self.batches, self.delay = batches, delay
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(self.delay)
+            yield sinkax.distributed.local_rows(batch)
+
+
+def uneven(out: str, calls: int) -> None:
+    """One process of the 2-process part: a row per delay of process 1, into ``out``."""
+    sinkax.distributed.initialize()
+    w, me, rows = workload("mlp", 200), jax.process_index(), []
+    for delay in (0.0, 0.002, 0.005):
+        data = Delayed(w.batches, delay if me == 1 else 0.0)
+        state = fresh(w.init())
+        options = {"sharding": sinkax.distributed.batch_sharding(), "strategy": "scan"}
+        with sinkax.data_sink(w.step, data, 100, **options) as sink:
+            state, metrics = sink(state)  # compiles
+            jax.block_until_ready(metrics)
+            before, t0 = sink.stats, time.perf_counter()
+            for _ in range(calls):
+                state, metrics = sink(state)
+            jax.block_until_ready(metrics)
+            seconds, after = time.perf_counter() - t0, sink.stats
+        rows.append(
+            {
+                "process": me,
+                "delay_ms": 1000 * (delay if me == 1 else 0.0),
+                "process 1 delay_ms": 1000 * delay,
+                "steps/s": calls * 100 / seconds,
+                "peer wait": (after.peer_wait_s - before.peer_wait_s) / seconds,
+                "data wait": (after.data_wait_s - before.data_wait_s) / seconds,
+            }
+        )
+    with open(os.path.join(out, f"{me}.json"), "w") as f:
+        json.dump(rows, f)
+    jax.distributed.shutdown()
+
+
+def two_processes(calls: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        script = [sys.executable, __file__, "--part", "uneven", "--out", out]
+        launch = [sys.executable, "-m", "sinkax.launch", "-n", "2", "--devices", "2", "--"]
+        child = subprocess.run(
+            [*launch, *script, "--calls", str(calls)], capture_output=True, text=True, timeout=1800
+        )
+        if child.returncode:
+            sys.exit(f"the 2-process part failed:\n{child.stderr[-3000:]}")
+        rows = []
+        for i in range(2):
+            with open(os.path.join(out, f"{i}.json")) as f:
+                rows += json.load(f)
+        return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--part", choices=("all", "four"), default="all")
+    parser.add_argument("--part", choices=("all", "four", "uneven"), default="all")
     parser.add_argument("--block-every", type=int, default=1, help="plain loop: wait every N steps")
+    parser.add_argument("--calls", type=int, default=10, help="timed calls of the 2-process part")
+    parser.add_argument("--out", help="the 2-process part's folder for each process's rows")
     args = parser.parse_args()
     if args.part == "four":  # the subprocess with forced devices: rows as JSON on stdout
-        print(json.dumps(four_devices(args.repeats, args.block_every)))
+        rows = four_devices(args.repeats, args.block_every) + sharded_state(args.repeats)
+        print(json.dumps(rows))
+        return
+    if args.part == "uneven":  # one process of the 2-process part (started by sinkax.launch)
+        uneven(args.out, args.calls)
         return
     rows = one_device(args.repeats)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -158,6 +276,9 @@ def main() -> None:
         "ratio", "target", "strategy",
     ]  # fmt: skip
     print(table(rows, columns))
+    waits = two_processes(args.calls)
+    wait_columns = ["process 1 delay_ms", "process", "steps/s", "peer wait", "data wait"]
+    print(table(waits, wait_columns))
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
@@ -167,7 +288,8 @@ def main() -> None:
         labels = [f"{r['part']}\n{r['workload']} sink {r['sink_size']}" for r in rows]
         ax.bar(range(len(rows)), [r["ratio"] for r in rows], color="tab:blue")
         for i, r in enumerate(rows):
-            ax.hlines(r["target"], i - 0.4, i + 0.4, colors="tab:red")
+            if r["target"] is not None:
+                ax.hlines(r["target"], i - 0.4, i + 0.4, colors="tab:red")
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylabel("sharded sink / baseline (steps/s)")
         ax.set_title(f"data-parallel sink overhead (CPU, commit {commit}); red: target")
@@ -175,7 +297,13 @@ def main() -> None:
 
     save(
         "data_parallel",
-        {"commit": commit, "repeats": args.repeats, "rows": rows, "note": __doc__.split("\n\n")[1]},
+        {
+            "commit": commit,
+            "repeats": args.repeats,
+            "rows": rows,
+            "two_processes": waits,
+            "note": __doc__.split("\n\n")[1],
+        },
         draw,
     )
 

@@ -16,23 +16,14 @@ mesh of ``jax.devices()``). Each process's dataset yields only *its part* of eve
   every process must yield the same number of batches of the same shape per epoch (checked
   when the sink is created: epoch lengths must agree).
 
-The compiled steps contain collectives (the gradient's all-reduce), so a process that stops
-feeding would leave the others blocked inside them. :class:`Peers` prevents that: before each
-dispatch every process reports through the ``jax.distributed`` coordination service (its
-key-value store, no device collective) that its data is ready, and waits for the others' reports;
-a process whose dataset failed (or that timed out, or was interrupted) reports its error
-instead, and every process then raises :class:`PeerError` naming it. One report and one read per
-other process per dispatch (about 0.5 ms on localhost). A process that never reports (killed,
-hung outside the sink) fails the others after ``2 * timeout`` with :class:`PeerTimeoutError`.
+The compiled steps contain collectives, so every process must dispatch the same programs on
+the same positions in the same order, and fail together: :mod:`sinkax.peers` sees to it
+(:class:`PeerError`, :class:`PeerTimeoutError`).
 
 Each process keeps its own data position: ``Sink.data_state()`` is this process's.
 
-In one process (or a sharding this process addresses alone) nothing is exchanged:
-
->>> import jax
->>> peers = Peers.of(jax.sharding.SingleDeviceSharding(jax.devices()[0]), 1.0, sink_size=1)
->>> peers.agree(lambda: "chunk")
-'chunk'
+>>> cluster_arguments({})  # no launcher's variables: jax detects the cluster, or fails
+{}
 """
 
 from __future__ import annotations
@@ -40,37 +31,67 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from sinkax import compat
-from sinkax.errors import SinkTimeoutError
+from sinkax.peers import PeerError, PeerTimeoutError
 
-T = TypeVar("T")
+__all__ = [
+    "PeerError",
+    "PeerTimeoutError",
+    "batch_sharding",
+    "cluster_arguments",
+    "initialize",
+    "local_rows",
+    "own_position",
+    "shared_position",
+]
 
-# sinks and saved positions are numbered alike in every process: each makes them in one order
-_sink_numbers = itertools.count()
+# saved positions are numbered alike in every process: each saves them in one order
 _position_numbers = itertools.count()
 
 
 def initialize() -> None:
-    """Join the ``jax.distributed`` job this process belongs to.
+    """Join the ``jax.distributed`` job this process belongs to:
+    ``jax.distributed.initialize(**cluster_arguments(os.environ))``."""
+    jax.distributed.initialize(**cluster_arguments(os.environ))
 
-    Started by :mod:`sinkax.launch`: with the coordinator, process count and id it set in the
-    environment. Otherwise ``jax.distributed.initialize()`` with no arguments, which detects
-    SLURM, Open MPI and Kubernetes (indexed Job) environments and fails elsewhere.
+
+def cluster_arguments(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The arguments of ``jax.distributed.initialize`` for a process started with ``environ``:
+
+    * by :mod:`sinkax.launch`: the coordinator, process count and id it set;
+    * by a launcher that sets ``WORLD_SIZE``, ``RANK`` and ``MASTER_ADDR`` (``torchrun``, a
+      Kubernetes PyTorchJob): that many processes, this one's rank, the coordinator at
+      ``JAX_COORDINATOR_ADDRESS`` if set, else on ``MASTER_ADDR`` at ``JAX_COORDINATOR_PORT``
+      or else ``MASTER_PORT`` (jax detects none of these variables itself; ``torchrun``'s own
+      store holds ``MASTER_PORT``: give jax another with ``JAX_COORDINATOR_PORT``);
+    * otherwise none: jax detects SLURM (``srun``), Open MPI and Kubernetes indexed Jobs
+      itself, and fails elsewhere.
+
+    >>> cluster_arguments({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "5"})
+    {'coordinator_address': 'h:5', 'num_processes': 2, 'process_id': 1}
+    >>> cluster_arguments({"SLURM_PROCID": "0"})
+    {}
     """
-    if "SINKAX_PROCESS_ID" in os.environ:
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-            num_processes=int(os.environ["SINKAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["SINKAX_PROCESS_ID"]),
-        )
+    if "SINKAX_PROCESS_ID" in environ:
+        count, rank = "SINKAX_NUM_PROCESSES", "SINKAX_PROCESS_ID"
+    elif all(name in environ for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR")):
+        count, rank = "WORLD_SIZE", "RANK"
     else:
-        jax.distributed.initialize()
+        return {}
+    port = environ.get("JAX_COORDINATOR_PORT", environ.get("MASTER_PORT"))
+    return {
+        "coordinator_address": environ.get(
+            "JAX_COORDINATOR_ADDRESS", f"{environ.get('MASTER_ADDR')}:{port}"
+        ),
+        "num_processes": int(environ[count]),
+        "process_id": int(environ[rank]),
+    }
 
 
 def batch_sharding(axis: str = "data") -> NamedSharding:
@@ -124,108 +145,39 @@ def shared_position(data_state: dict[str, Any], timeout: float = 300.0) -> dict[
 
 
 def own_position(saved: dict[str, Any]) -> dict[str, Any]:
-    """This process's data position in what :func:`shared_position` gave; ``ValueError`` if
-    it was saved by a job of another number of processes."""
-    count = len(saved["processes"]) if "processes" in saved else 1
-    if count != jax.process_count():
+    """This process's data position in what :func:`shared_position` gave.
+
+    Saved by a job of another number of processes, it is the position in the stream of global
+    batches, which every process of the saving job shared: the same epoch and step, and the
+    same source state once what is particular to a process is set aside (an iterable's
+    fingerprint or iterator state: it is then replayed from the epoch's start). Each process
+    of this job continues there, feeding its own part of the next global batch. A
+    ``ValueError`` if the saved processes' positions differ beyond that (a grain
+    ``DataLoader``'s iterator state, say): resume such a checkpoint with as many processes.
+
+    >>> saved = {"epoch": 1, "step": 2, "source": {"next_index": 8}}
+    >>> own_position({"processes": [saved, saved]}) == saved  # by 2 processes, into 1
+    True
+    """
+    positions = saved.get("processes", [saved])
+    if len(positions) == jax.process_count():
+        return positions[jax.process_index()]
+    shared = [_global_position(position) for position in positions]
+    if any(position != shared[0] for position in shared):
         raise ValueError(
-            f"This checkpoint holds the data positions of {count} process(es), but this job has "
-            f"{jax.process_count()}: resume it with {count} process(es), each feeding the same "
-            "part of the data as before."
+            f"This checkpoint holds the data positions of {len(positions)} process(es), which "
+            f"differ ({shared[0]!r:.200} and {shared[-1]!r:.200}), and this job has "
+            f"{jax.process_count()}: each position belongs to one process's dataset (a grain "
+            f"DataLoader's iterator, say). Resume it with {len(positions)} process(es), each "
+            "feeding the same part of the data as before."
         )
-    return saved["processes"][jax.process_index()] if "processes" in saved else saved
+    return shared[0]
 
 
-class PeerError(RuntimeError):
-    """Another process of the job failed; this one stops too instead of waiting for it."""
+_PER_PROCESS = ("fingerprint", "iterator", "iterator_base64")  # of one process's own batches
 
 
-class PeerTimeoutError(PeerError, SinkTimeoutError):
-    """Another process of the job did not report in time."""
-
-
-class Alone:
-    """One process: nothing to agree on."""
-
-    def agree(self, fetch: Callable[[], T]) -> T:
-        """``fetch()``."""
-        return fetch()
-
-    def fail(self, error: BaseException) -> None:
-        """Nothing: no one else is waiting."""
-
-
-class Peers:
-    """The processes of a sink over a sharding that spans them; see the module docstring."""
-
-    @staticmethod
-    def of(sharding: Sharding, timeout: float, **config: Any) -> Alone | Peers:
-        """:class:`Alone`, or when ``sharding`` spans other processes, :class:`Peers` that
-        checked that ``config`` (sink size, epoch length, ...) is the same in every process
-        (``ValueError`` naming the differences otherwise)."""
-        if sharding.is_fully_addressable:
-            return Alone()
-        return Peers(f"sinkax/sink{next(_sink_numbers)}", timeout, config)
-
-    def __init__(self, name: str, timeout: float, config: dict[str, Any]):
-        self._client = compat.coordination_client()
-        self._name = name
-        self._me = jax.process_index()
-        self._others = [p for p in range(jax.process_count()) if p != self._me]
-        self._timeout_ms = int(2 * timeout * 1000)
-        self._round = 0
-        mine = json.dumps(config, sort_keys=True)
-        self._client.key_value_set(f"{name}/config/{self._me}", mine)
-        for process in self._others:
-            theirs = self._read(f"{name}/config/{process}", "create this sink")
-            if theirs != mine:
-                raise ValueError(
-                    f"The processes disagree about this sink: process {self._me} has {mine}, "
-                    f"process {process} has {theirs}. Every process must create its sinks in "
-                    "the same order with the same sink_size, and its dataset must give the same "
-                    "number of batches per epoch (shard the data evenly over the processes)."
-                )
-
-    def _key(self, round_: int, process: int) -> str:
-        return f"{self._name}/{round_}/{process}"
-
-    def _read(self, key: str, doing: str) -> str:
-        try:
-            return self._client.blocking_key_value_get(key, self._timeout_ms)
-        except Exception as error:  # the coordination service's DEADLINE_EXCEEDED
-            process = key.rsplit("/", 1)[1]
-            raise PeerTimeoutError(
-                f"Process {process} did not {doing} within {self._timeout_ms / 1000:.1f} s "
-                f"(2 x the sink's timeout): it is stuck, gone, or running other code "
-                f"({type(error).__name__}). Every process must make the same sink calls."
-            ) from None
-
-    def agree(self, fetch: Callable[[], T]) -> T:
-        """``fetch()`` (this process's next data), once every process has its own; raises
-        :class:`PeerError` if another process failed instead. If ``fetch`` raises, the caller
-        reports it with :meth:`fail`."""
-        value = fetch()
-        self._client.key_value_set(self._key(self._round, self._me), "ok")
-        try:
-            for process in self._others:
-                status = self._read(self._key(self._round, process), "get its data ready")
-                if status != "ok":
-                    raise PeerError(
-                        f"Process {process} failed, so this sink stops on every process: "
-                        f"{status}. Its own traceback is in that process's output."
-                    )
-        finally:
-            if self._round:  # every process has read it: each has reported on this round
-                self._client.key_value_delete(self._key(self._round - 1, self._me))
-            self._round += 1
-        return value
-
-    def fail(self, error: BaseException) -> None:
-        """Report ``error`` (raised in this process before its data was agreed) to the others,
-        who raise :class:`PeerError` instead of waiting."""
-        if isinstance(error, PeerError):  # another process's failure, reported by it
-            return
-        self._client.key_value_set(
-            self._key(self._round, self._me), f"{type(error).__name__}: {error}"[:2000]
-        )
-        self._round += 1
+def _global_position(position: dict[str, Any]) -> dict[str, Any]:
+    """``position`` without what only its own process's dataset can restore."""
+    source = {k: v for k, v in position["source"].items() if k not in _PER_PROCESS}
+    return {**position, "source": source}

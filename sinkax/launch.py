@@ -15,8 +15,9 @@ outlives the launcher.
     python -m sinkax.launch -n 2 --devices 2 -- sinkax train --epochs 2
     python -m sinkax.launch -n 2 -- python my_training.py
 
-On a cluster, start one process per host with the scheduler instead (SLURM's ``srun``, a
-Kubernetes indexed Job): ``jax.distributed.initialize()`` detects those environments itself.
+On a cluster, start one process per host with the scheduler instead (SLURM's ``srun``,
+``torchrun``, a Kubernetes indexed Job): :func:`sinkax.distributed.initialize` joins the job
+from the variables each sets (:func:`sinkax.distributed.cluster_arguments`).
 
 >>> command(build_parser().parse_args(["-n", "2", "--", "python", "x.py"]))
 ['python', 'x.py']

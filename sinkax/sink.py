@@ -20,14 +20,13 @@ A sink is a facade over three parts: its checked :class:`~sinkax.config.SinkConf
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import grain
 import jax
 
-from sinkax import context, distributed, interrupt, pjrt, placement
+from sinkax import context, interrupt, peers, pjrt, placement
 from sinkax.channel.cursor import Cursor
 from sinkax.channel.plan import chunk_steps
 from sinkax.channel.position import DataPosition
@@ -36,47 +35,15 @@ from sinkax.config import SinkConfig
 from sinkax.errors import SinkClosedError
 from sinkax.execution import guard
 from sinkax.execution.executor import NO_STATE, Executor
-from sinkax.pytree import concat_trees, copy_tree
+from sinkax.pytree import concat_trees, copy_tree, layout
+from sinkax.stats import SinkStats
 
 
-@dataclasses.dataclass(frozen=True)
-class SinkStats:
-    """What a sink has done so far.
-
-    ``data_wait_s`` is time the caller waited for data (input-bound); ``slot_wait_s`` is time the
-    producer waited for a free device slot (compute-bound). With the ``"step"`` strategy the
-    chunks and bytes counted were handed over unstacked; XLA takes each batch at dispatch.
-    ``chunks_padded``: chunks that moved only their batches, fewer than a slot holds (the first,
-    one a waiting call cut short, the last), padded on the device by one small launch each.
-    ``interactions``: on a device of sinkax's PJRT plugin (:mod:`sinkax.pjrt`), the process's
-    host–device interactions since the sink was created (other work in between counts too).
-    ``device_bytes`` and ``peak_device_bytes``: the bytes in use on the sink's devices now and at
-    most, as their ``memory_stats()`` report them (every user of the devices counts; the
-    emulated device and GPUs report them, ``None`` where a device does not, as XLA:CPU's).
-    ``call_sizes``: with ``sink_size="auto"``, the steps of its last calls (up to 64).
-    """
-
-    steps: int
-    calls: int
-    dispatches: int
-    compiles: int
-    chunks_transferred: int
-    chunks_padded: int
-    bytes_transferred: int
-    max_chunks_on_device: int
-    data_wait_s: float
-    slot_wait_s: float
-    strategy: str
-    strategy_timings: dict[str, float]
-    interactions: pjrt.Interactions | None = None
-    device_bytes: int | None = None
-    peak_device_bytes: int | None = None
-    call_sizes: tuple[int, ...] | None = None
-
-    @property
-    def bound(self) -> str:
-        """``"input"`` if the sink waited for data longer than the producer waited for room."""
-        return "input" if self.data_wait_s > self.slot_wait_s else "compute"
+def _shaping(config: SinkConfig) -> dict[str, Any]:
+    """The options that shape a sink's compiled programs and chunks, as the processes of a job
+    compare them (:class:`~sinkax.peers.Peers`)."""
+    shaping = ("sink_size", "jit", "strategy", "max_chunk_bytes", "calls", "ragged_last")
+    return {**{name: getattr(config, name) for name in shaping}, "mesh": str(config.sharding)}
 
 
 _BUSY = (
@@ -110,18 +77,19 @@ class Sink:
             start = None if data_state is None else DataPosition.from_dict(data_state)
             recorded = start.strategy if start else None
             self._executor = Executor(fn, config, steps_per_call=steps, recorded=recorded)
-            self._peers = distributed.Peers.of(
+            self._peers = peers.Peers.of(
                 config.sharding,
                 config.timeout,
-                sink_size=self.sink_size,
+                **_shaping(config),
                 epoch_length=source.epoch_length,
+                recorded_strategy=recorded,
             )
             feed = self._executor.feed
             self._cursor = Cursor(source, config, feed=feed, data_state=start)
         except Exception:  # bad options or data_state, or processes that disagree
             source.close()
             raise
-        self._running = self._closed = False
+        self._running = self._closed = self._compared = False
         self.nonfinite: guard.NonFinite | None = None  # where the last call stopped, if it did
 
     def __call__(self, state: Any = NO_STATE) -> Any:
@@ -148,6 +116,15 @@ class Sink:
             arrays, static = executor.select(state)
             cursor.resync()  # an interrupted call took data it never delivered: rewind
             carry = executor.place(arrays, cursor.first_spec)
+            if not self._compared:  # with the next dispatch, across processes
+                self._peers.include(
+                    lambda: {
+                        "batch": str(cursor.first_spec().abstract),
+                        "state": str(layout(carry)),
+                        "strategy": executor.strategy_name,
+                    }
+                )
+                self._compared = True
             cursor.begin()
             while True:
                 data, piece, offset = cursor.next_piece(self._peers.agree)
@@ -181,6 +158,8 @@ class Sink:
             # runs whole and the sink is left usable; handoff.failed() passes it on after.
             handoff.state = interrupt.DISPATCHED
             self._peers.fail(error)  # the other processes raise too, none waits for this one
+            if isinstance(error, peers.PeerTimeoutError):  # the last dispatch may wait
+                cursor.abandon()  # for a process that is gone: close() must not wait for it
             cursor.failed(consumed=bool(parts))  # the next call rewinds what this one took
             self._running = False
             handoff.failed()
@@ -265,6 +244,7 @@ class Sink:
             **counts,
             interactions=pjrt.since(self._interactions_at_start),
             **placement.memory(self.config.sharding),
+            peer_wait_s=self._peers.waited_s,
         )
 
     def _check_open(self) -> None:
@@ -319,7 +299,8 @@ def data_sink(
         from the context.
       sharding: instead of ``device``, a ``jax.sharding.Sharding`` of one batch, e.g.
         ``NamedSharding(mesh, P("data"))`` to split the batch axis over the mesh's devices
-        (data parallelism; the state is replicated unless already placed on those devices).
+        (data parallelism; the state is replicated unless already placed on those devices,
+        and then comes back sharded as it was).
         Across ``jax.distributed`` processes each process's dataset yields its own part of
         every global batch (see :mod:`sinkax.distributed`).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.

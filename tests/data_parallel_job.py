@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 EPOCH, BATCH, FEATURES = 6, 8, 3
 
@@ -30,10 +33,14 @@ def global_batch(k: int) -> dict:
 
 
 class LocalBatches:
-    """This process's block of every global batch; raises at batch ``fail_at`` if given."""
+    """This process's block of every global batch; raises at batch ``fail_at`` if given, and
+    sleeps ``delay`` seconds before each batch."""
 
-    def __init__(self, process: int, processes: int, fail_at: int | None = None):
-        self.process, self.processes, self.fail_at = process, processes, fail_at
+    def __init__(
+        self, process: int, processes: int, fail_at: int | None = None, delay: float = 0.0
+    ):
+        self.process, self.processes, self.fail_at, self.delay = process, processes, fail_at, delay
+        self.delays = lambda: self.delay  # the delay before each batch
 
     def __len__(self) -> int:
         return EPOCH
@@ -41,6 +48,7 @@ class LocalBatches:
     def __iter__(self):
         rows = BATCH // self.processes
         for k in range(EPOCH):
+            time.sleep(self.delays())
             if k == self.fail_at:
                 raise ValueError(f"bad record in batch {k} of process {self.process}")
             block = slice(self.process * rows, (self.process + 1) * rows)
@@ -78,27 +86,75 @@ def reference(steps: int) -> dict:
 
 def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
     """``--calls`` calls of a sink, then ``--resume-calls`` of a new one from its data_state."""
+    import jax
     import numpy as np
     from jax.experimental import multihost_utils
 
     import sinkax
 
     options = dict(strategy=args.strategy, sharding=sharding, timeout=args.timeout)
+    if args.chunk_bytes is not None:
+        options["max_chunk_bytes"] = args.chunk_bytes[jax.process_index()]
     ids, state, data_state = [], initial_state(), None
     for calls in (args.calls, args.resume_calls):
         if not calls:
             continue
-        sink = sinkax.data_sink(step, data, args.sink_size, data_state=data_state, **options)
+        known = {"calls": calls} if args.known_calls else {}
+        sink = sinkax.data_sink(
+            step, data, args.sink_size, data_state=data_state, **options, **known
+        )
         with sink:
-            for _ in range(calls):
+            for call in range(calls):
+                if (jax.process_index(), call) == (args.stop_process, args.stop_at):
+                    stop(args.stop_for)
+                result["call_started"] = time.monotonic()
                 state, outs = sink(state)
                 seen = multihost_utils.process_allgather(outs["ids"], tiled=True)
                 ids.extend(np.asarray(seen).ravel().tolist())
             data_state = sink.data_state()
             result["strategy"] = sink.stats.strategy
+            result["chunks"] = sink.stats.chunks_transferred
+            result["peer_wait_s"] = sink.stats.peer_wait_s
     result["ids"] = ids
     result["data_state"] = {k: data_state[k] for k in ("epoch", "step")}
     return state, (args.calls + args.resume_calls) * args.sink_size
+
+
+def soak(args, data, sharding, result: dict) -> tuple[dict, int]:
+    """``--soak`` calls over a chain of sinks: each of a random sink size (the same on every
+    process: one seed), making a few calls, then handing its data position to the next;
+    every process's batches come after random delays of its own (``data.delay`` at most)."""
+    import random
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import sinkax
+
+    plan, waits = random.Random(args.seed), random.Random(args.seed + 1 + jax.process_index())
+    data.delays = lambda: waits.choice([0.0, 0.0, 0.0, data.delay])
+    ids, state, data_state, calls, steps = [], initial_state(), None, 0, 0
+    while calls < args.soak:
+        sink_size = plan.randint(1, 7)
+        options = dict(sharding=sharding, timeout=args.timeout, data_state=data_state)
+        with sinkax.data_sink(step, data, sink_size, strategy="scan", **options) as sink:
+            for _ in range(min(plan.randint(1, 12), args.soak - calls)):
+                state, outs = sink(state)
+                seen = multihost_utils.process_allgather(outs["ids"], tiled=True)
+                ids.extend(np.asarray(seen).ravel().tolist())
+                calls, steps = calls + 1, steps + sink_size
+            data_state = sink.data_state()
+    result["ids"] = ids
+    result["data_state"] = {k: data_state[k] for k in ("epoch", "step")}
+    return state, steps
+
+
+def stop(seconds: float) -> None:
+    """Stop this process (SIGSTOP) for ``seconds``: a helper process continues it."""
+    wake = f"sleep {seconds}; kill -CONT {os.getpid()}"
+    subprocess.Popen(["sh", "-c", wake], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def train_model(args, data, sharding, result: dict) -> tuple[dict, int]:
@@ -129,6 +185,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="folder for each process's JSON result")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--initialize", action="store_true", help="a cluster's process")
+    parser.add_argument("--known-calls", action="store_true", help="each sink gets calls=")
     parser.add_argument("--resume-calls", type=int, default=0, help="then a new sink, resumed")
     parser.add_argument("--sink-size", type=int, default=5)
     parser.add_argument("--strategy", default="auto")
@@ -136,6 +194,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-at", type=int, default=None)
     parser.add_argument("--absent-process", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--delays", type=float, nargs="+", default=None, help="s/batch, each")
+    parser.add_argument("--chunk-bytes", type=int, nargs="+", default=None, help="each process's")
+    parser.add_argument("--soak", type=int, default=0, help="calls over sinks of random sizes")
+    parser.add_argument("--seed", type=int, default=0, help="of the soak's sink sizes")
+    parser.add_argument("--stop-process", type=int, default=None, help="SIGSTOPped before ...")
+    parser.add_argument("--stop-at", type=int, default=None, help="... this call ...")
+    parser.add_argument("--stop-for", type=float, default=0.0, help="... for this many seconds")
     parser.add_argument("--checkpoint", default=None, help="Model.train with ModelCheckpoint")
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args(argv)
@@ -145,25 +210,28 @@ def main(argv: list[str]) -> None:
 
     import sinkax
 
-    distributed = "SINKAX_PROCESS_ID" in os.environ  # started by sinkax.launch
+    distributed = args.initialize or "SINKAX_PROCESS_ID" in os.environ  # or by sinkax.launch
     if distributed:
         sinkax.distributed.initialize()
     fail_at = args.fail_at if args.fail_process == jax.process_index() else None
-    data = LocalBatches(jax.process_index(), jax.process_count(), fail_at)
+    delay = args.delays[jax.process_index()] if args.delays else 0.0
+    data = LocalBatches(jax.process_index(), jax.process_count(), fail_at, delay)
+    started = time.monotonic()
     result: dict = {"devices": jax.device_count(), "processes": jax.process_count()}
     try:
         if args.absent_process == jax.process_index():  # makes no sink at all
             raise RuntimeError("absent")
-        train = train_model if args.checkpoint else train_sink
+        train = train_model if args.checkpoint else soak if args.soak else train_sink
         state, steps = train(args, data, sinkax.distributed.batch_sharding(), result)
     except Exception as error:  # reported, for the test to check on every process
         result["error"] = type(error).__name__
+        result["failed_after_s"] = time.monotonic() - result.get("call_started", started)
         result["message"] = str(error)
     else:
         expected, got = reference(steps), jax.device_get(state)
         result["max_error"] = max(float(np.max(np.abs(got[k] - expected[k]))) for k in expected)
         result["steps"] = steps
-        result["sharding"] = str(state["w"].sharding.spec)
+        result["sharding"] = str(getattr(state["w"].sharding, "spec", "one device"))
     with open(os.path.join(args.out, f"{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)
     if distributed:  # waits for every process: the coordinator (process 0) must outlive

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from data_parallel_job import BATCH, EPOCH
+
+from sinkax import launch
 
 JOB = Path(__file__).with_name("data_parallel_job.py")
 LIMIT_S = 120
@@ -48,10 +52,14 @@ def job(tmp_path):
         return [json.loads((out / f"{i}.json").read_text()) for i in range(processes)]
 
     yield run
-    for child in started:  # the launcher and its processes share its session's process group
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+    for child in started:
+        if child.poll() is None:  # a Ctrl-C makes the launcher kill its processes (each in its
+            child.send_signal(signal.SIGINT)  # own session), then itself
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
 
 
 def expected_ids(steps: int) -> list[int]:
@@ -122,3 +130,132 @@ def test_a_process_that_never_makes_the_sink_fails_the_other_in_bounded_time(job
     assert results[1]["message"] == "absent"
     assert results[0]["error"] == "PeerTimeoutError"
     assert "Process 1 did not create this sink within 4.0 s" in results[0]["message"]
+
+
+def test_processes_at_different_speeds_run_the_same_chunks(job):
+    # one process waits 20 ms for each batch, the other none: a waiting consumer must not cut
+    # its chunks elsewhere than the other's (their offsets meet in the same collectives)
+    args = ["--calls", "100", "--sink-size", "1", "--strategy", "scan", "--known-calls"]
+    results = job(2, 2, *args, "--delays", "0.02", "0")
+    check_training(results, steps=100, devices=4, processes=2)
+    assert results[0]["chunks"] == results[1]["chunks"]  # the same chunks, whatever the speed
+    # (with calls= known, neither producer reads ahead past them: the count is the layout's)
+
+
+def test_processes_with_different_chunk_sizes_fail_with_a_value_error(job):
+    results = job(2, 2, "--calls", "2", "--chunk-bytes", "1000000", "64")
+    for result in results:
+        assert result["error"] == "ValueError", result
+        assert "max_chunk_bytes" in result["message"]
+        assert "1000000" in result["message"] and "64" in result["message"]
+
+
+def test_the_time_a_process_waits_for_the_other_is_counted(job):
+    # process 1 stops for 1.5 s before its 2nd call (both have finished the 1st: the job
+    # gathers each call's ids): process 0 waits for it before that call's dispatch
+    stopped = ["--stop-process", "1", "--stop-at", "1", "--stop-for", "1.5"]
+    results = job(2, 2, "--calls", "3", "--sink-size", "2", *stopped)
+    check_training(results, steps=6, devices=4, processes=2)
+    assert results[0]["peer_wait_s"] > 1.0
+    assert results[1]["peer_wait_s"] < 1.0  # it came last
+
+
+def test_a_process_stopped_past_the_timeout_fails_both_in_bounded_time(job):
+    # process 1 stops (SIGSTOP) before its 4th call for 8 s; the timeout is 2 s
+    stopped = ["--stop-process", "1", "--stop-at", "3", "--stop-for", "8"]
+    t0 = time.monotonic()
+    results = job(2, 2, "--calls", "6", "--sink-size", "2", "--timeout", "2", *stopped)
+    healthy, woken = results
+    assert healthy.get("error") == "PeerTimeoutError", results
+    assert "Process 1 did not" in healthy["message"]
+    assert healthy["failed_after_s"] < 2 * 2 + 3  # 2 x timeout, and a margin for 2 cores
+    assert woken.get("error") == "PeerTimeoutError", results  # it does not run on alone
+    assert "gave up waiting for this process" in woken["message"]
+    assert woken["failed_after_s"] < 3
+    assert time.monotonic() - t0 < 8 + 40  # both end: no hang in a collective or at shutdown
+
+
+def soak(job, calls: int, seed: int) -> None:
+    # sinks of random sizes, each resumed from the last one's position; each process's batches
+    # come after random delays of its own (up to 10 ms, and none for the other's)
+    results = job(2, 2, "--soak", str(calls), "--seed", str(seed), "--delays", "0.01", "0.01")
+    assert "error" not in results[0] and "error" not in results[1], results
+    check_training(results, steps=results[0]["steps"], devices=4, processes=2)
+    assert results[0]["steps"] == results[1]["steps"]
+
+
+def test_processes_at_random_speeds_over_resized_resumed_sinks(job):
+    soak(job, calls=40, seed=1)
+
+
+@pytest.mark.slow
+def test_processes_at_random_speeds_soak(job):
+    soak(job, calls=500, seed=2)
+
+
+def cluster(tmp_path, environments: list[dict[str, str]], *args: str) -> list[dict]:
+    """Run the job as one process per environment (as a cluster's launcher starts them, each
+    with 2 forced devices); every process's result."""
+    out = tmp_path / "cluster"
+    out.mkdir()
+    script = [sys.executable, str(JOB), "--out", str(out), "--initialize", *args]
+    children = []
+    for i, extra in enumerate(environments):
+        env = {**os.environ, **extra, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        log = open(tmp_path / f"process{i}.log", "w")  # noqa: SIM115 (closed by the OS)
+        children.append(subprocess.Popen(script, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [child.wait(timeout=LIMIT_S) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    logs = [(tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(len(children))]
+    assert codes == [0] * len(children), logs
+    return [json.loads((out / f"{i}.json").read_text()) for i in range(len(children))]
+
+
+def free_slurm_job_id() -> str:
+    """A job id whose coordinator port (jax: 61440 + id % 4096) is free on localhost."""
+    for job_id in range(1000 + os.getpid() % 3000, 1000 + 4096):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + job_id % 4096))
+            except OSError:
+                continue
+        return str(job_id)
+    pytest.skip("no free port in jax's SLURM coordinator range")
+
+
+def test_two_processes_start_as_srun_starts_them(tmp_path):
+    # the variables srun sets for 2 tasks on one node; jax.distributed.initialize() detects them
+    job_id = free_slurm_job_id()
+    slurm = {"SLURM_JOB_ID": job_id, "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
+    slurm["SLURM_STEP_NUM_NODES"] = "1"
+    environments = [{**slurm, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} for i in range(2)]
+    results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3")
+    check_training(results, steps=6, devices=4, processes=2)
+
+
+def test_two_processes_start_as_torchrun_starts_them(tmp_path):
+    # torchrun's (and a PyTorchJob's) variables; here no torch store holds MASTER_PORT
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port())}
+    torchrun["WORLD_SIZE"] = "2"
+    environments = [{**torchrun, "RANK": str(i), "LOCAL_RANK": str(i)} for i in range(2)]
+    results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3")
+    check_training(results, steps=6, devices=4, processes=2)
+
+
+@pytest.mark.parametrize("devices", [4, 1])
+def test_a_two_process_checkpoint_resumes_on_one_process(job, tmp_path, devices):
+    # written by 2 processes x 2 devices mid-pass (4 of 6 global batches), resumed by one
+    # process over `devices` devices: it continues with global batch 4, none skipped or repeated
+    checkpoint = ["--checkpoint", str(tmp_path / "checkpoints"), "--sink-size", "4"]
+    job(2, 2, *checkpoint, "--epochs", "1")
+    (resumed,) = job(1, devices, *checkpoint, "--epochs", "3")
+    assert "error" not in resumed, resumed
+    assert (resumed["devices"], resumed["processes"]) == (devices, 1)
+    assert resumed["steps"] == 12
+    assert resumed["max_error"] < 1e-5  # = 12 plain single-device steps on the global batches
+    assert (resumed["saved_positions"]["epoch"], resumed["saved_positions"]["step"]) == (2, 0)

@@ -48,11 +48,15 @@ def test_step_strategy_is_refused_on_many_devices_and_auto_avoids_it():
     )
 
 
-def test_positions_of_another_number_of_processes_are_refused():
-    position = {"epoch": 0, "step": 3, "source": {}}
+def test_positions_of_another_number_of_processes_continue_the_global_batches():
+    position = {"epoch": 0, "step": 3, "source": {"epoch": 0, "step": 3, "fingerprint": "a"}}
     assert distributed.own_position(distributed.shared_position(position)) == position
-    with pytest.raises(ValueError, match="2 process\\(es\\), but this job has 1"):
-        distributed.own_position({"processes": [position, position]})
+    other = {**position, "source": {**position["source"], "fingerprint": "b"}}  # its own rows
+    replayed = {"epoch": 0, "step": 3, "source": {"epoch": 0, "step": 3}}
+    assert distributed.own_position({"processes": [position, other]}) == replayed
+    loader = {"epoch": 0, "step": 3, "source": {"epoch": 0, "step": 3, "next_index": 7}}
+    with pytest.raises(ValueError, match="2 process\\(es\\), which differ"):
+        distributed.own_position({"processes": [position, loader]})
 
 
 def test_local_rows_refuses_an_uneven_split(monkeypatch):

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 
 from sinkax import interrupt
-from sinkax.channel import packers
+from sinkax.channel import messages, packers
 from sinkax.channel.chunk import Chunk, Piece
 from sinkax.channel.plan import plan
 from sinkax.channel.position import DataPosition, check_fits, move_to
@@ -42,8 +42,11 @@ from sinkax.config import AUTO, SinkConfig
 from sinkax.errors import SinkTimeoutError, warn
 from sinkax.spec import BatchSpec
 
+# takes the next chunk, across processes once they all agree on its description
+Agree = Callable[[Callable[[], Chunk], Callable[[Chunk], dict[str, Any]]], Chunk]
 
-def _now(take: Callable[[], Chunk]) -> Chunk:
+
+def _now(take: Callable[[], Chunk], describe: Callable[[Chunk], dict[str, Any]]) -> Chunk:
     return take()
 
 
@@ -67,7 +70,13 @@ class Cursor:
         if config.sink_size == AUTO:
             self.sizer = CallSizer(config.call_seconds, source.epoch_length)
         sizes = self.sizer.granule if self.sizer else config.sink_size
-        self._plan = functools.partial(plan, sizes, source.epoch_length, config.max_chunk_bytes)
+        self._plan = functools.partial(
+            plan,
+            sizes,
+            source.epoch_length,
+            config.max_chunk_bytes,
+            group=config.sharding.is_fully_addressable,  # one process
+        )
         self._calls = config.calls  # the calls the sink will make, if known
         self.prefetch, self.timeout = config.prefetch, config.timeout
         if data_state is not None:
@@ -148,16 +157,24 @@ class Cursor:
         self._call_started = (time.perf_counter(), self.data_wait_s)
         self._call_steps = 0
 
-    def next_piece(
-        self, agree: Callable[[Callable[[], Chunk]], Chunk] = _now
-    ) -> tuple[Any, Piece, int]:
+    def next_piece(self, agree: Agree = _now) -> tuple[Any, Piece, int]:
         """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.
 
-        ``agree`` takes the chunk (across processes: once all agree, see
-        :class:`sinkax.distributed.Peers`).
+        ``agree(take, describe)`` takes the chunk (across processes: once all agree that
+        ``describe`` of it is the same everywhere, see :class:`sinkax.peers.Peers`).
         """
-        chunk = agree(self._current_chunk)
+        chunk = agree(self._current_chunk, self._describe)
         return chunk.data, chunk.pieces[self._piece], self._offset
+
+    def _describe(self, chunk: Chunk) -> dict[str, Any]:
+        """What the processes' next dispatch meets with: the piece, where it ends in the data,
+        its offset in the chunk, the chunk's shape (see :func:`sinkax.channel.plan.plan`)."""
+        piece = chunk.pieces[self._piece]
+        return {
+            "piece": [piece.position.epoch, piece.position.step, piece.steps, piece.ends_call],
+            "offset": self._offset,
+            "chunk_shape": list(jax.tree.leaves(chunk.data)[0].shape),
+        }
 
     def ran(self, piece: Piece, in_flight: Any, steps: int | None = None) -> None:
         """``piece`` was dispatched, and the first ``steps`` of its batches (default: all) were
@@ -199,7 +216,7 @@ class Cursor:
         self._resync = True  # until a producer runs from the new position
         if not self._stop_ring():
             raise SinkTimeoutError(
-                self._stuck_producer("a stop at a non-finite step")
+                messages.stuck_producer(self.timeout, "a stop at a non-finite step")
                 + " Call again once it has returned (the call's batches are read again)."
             )
         move_to(self._source, start)
@@ -248,7 +265,7 @@ class Cursor:
         try:
             return self._ring.get(self.timeout)
         except SinkTimeoutError:
-            raise SinkTimeoutError(self._timeout_message()) from None
+            raise SinkTimeoutError(messages.timed_out(self._ring.stats, self)) from None
         finally:
             self.data_wait_s += time.perf_counter() - t0
 
@@ -266,19 +283,10 @@ class Cursor:
         self._in_flight = None
         self._ring.release()
 
-    def _timeout_message(self) -> str:
-        ring = self._ring.stats
-        produced = f"{ring.batches / ring.busy_s:.1f} batches/s" if ring.busy_s else "n/a"
-        consumed = f"{self.steps / self.busy_s:.1f} steps/s" if self.busy_s else "n/a"
-        return (
-            f"The input pipeline delivered no batch for {self.timeout:.1f} s while the sink "
-            f"waited for data (epoch {self.epoch}, step {self.step}). So far it has delivered "
-            f"{ring.batches} batches, at {produced}; the sink consumes {consumed}. The pipeline "
-            "is stuck or very slow per batch: speed it up (grain ReadOptions(num_threads=...), "
-            "batch before heavy transforms, vectorise them), raise `timeout=` if single batches "
-            "can take that long, or iterate the dataset directly (or dataset_sink_mode=False) "
-            "to find the slow sample."
-        )
+    def abandon(self) -> None:
+        """Forget the last dispatched window without waiting for it: it may wait in a
+        collective for a process that is gone. Its chunk's slot stays taken."""
+        self._in_flight = None
 
     # -- the ring ------------------------------------------------------------------------
     def _start_ring(self) -> None:
@@ -300,14 +308,6 @@ class Cursor:
         self._finalizer.detach()
         return self._ring.close(self.timeout)
 
-    def _stuck_producer(self, doing: str) -> str:
-        return (
-            f"The producer thread is still inside the dataset's iterator {self.timeout:.1f} s "
-            f"after {doing} asked it to stop: the dataset is slow or blocked. The thread is a "
-            "daemon and ends as soon as the dataset returns; a dataset that can block "
-            "indefinitely should time out by itself."
-        )
-
     def rewind(self, state: DataPosition) -> None:
         """Continue from the position ``state`` (see ``Sink.data_state``); drops the prefetched
         chunks. ``ValueError`` if it does not fit the dataset (the cursor then stays where it
@@ -318,7 +318,7 @@ class Cursor:
         self._resync = True  # until a producer runs from `_committed` again
         if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
             raise SinkTimeoutError(
-                self._stuck_producer("rewinding the data")
+                messages.stuck_producer(self.timeout, "rewinding the data")
                 + " Call again once it has returned, or create a new sink."
             )
         try:
@@ -343,4 +343,4 @@ class Cursor:
             self._finalizer.detach()
             self._ring.close(self.timeout)
         elif not self._stop_ring():
-            warn(self._stuck_producer("close()"), RuntimeWarning)
+            warn(messages.stuck_producer(self.timeout, "close()"), RuntimeWarning)

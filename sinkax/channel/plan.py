@@ -97,10 +97,17 @@ def plan(
     spec: BatchSpec,
     start: Position,
     calls: int | None = None,
+    group: bool = True,
 ) -> Iterator[Layout]:
     """The chunk layouts of a sink's ``calls`` (endless if ``None``) from position ``start`` on
     (see :func:`plan_chunks`): whole calls grouped up to :data:`MIN_CHUNK_STEPS` steps or
-    :data:`MIN_CHUNK_BYTES`, whichever comes first."""
+    :data:`MIN_CHUNK_BYTES`, whichever comes first; or, without ``group``, one piece per chunk.
+
+    Across processes chunks are not grouped: a waiting consumer takes the complete pieces of the
+    chunk being built (see :class:`~sinkax.channel.ring.DeviceRing`), which would make chunk
+    boundaries -- and the offsets the processes' collectives meet with -- depend on each
+    process's data speed. A chunk of one piece is the same whoever takes it.
+    """
     sizes = call_sizes(sink_size, epoch_length, start.step, calls)
-    min_steps = min(MIN_CHUNK_STEPS, chunk_steps(MIN_CHUNK_BYTES, spec))
+    min_steps = min(MIN_CHUNK_STEPS, chunk_steps(MIN_CHUNK_BYTES, spec)) if group else 1
     return plan_chunks(sizes, chunk_steps(max_chunk_bytes, spec), min_steps)

@@ -15,6 +15,7 @@ Array([1., 3., 6.], dtype=float32)
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -60,6 +61,23 @@ def scan_window(fn: StepFn, backend: Backend, steps: int) -> Any:
     """The program of a ``"scan"`` window of ``steps`` on ``backend``: ``(state, chunk, i) ->
     (state, outs)``."""
     return scan_program(loop_body(fn, backend), steps)
+
+
+def keeping_shardings(program: Callable[..., Any], state: Any) -> Callable[..., Any]:
+    """``program`` (whose first argument and first result are the state, or for
+    :func:`~sinkax.execution.programs.step_program` begin with it) returning the state placed as
+    ``state`` is, leaf by leaf: a state sharded over a mesh (FSDP-style, or over a ``"model"``
+    axis) comes back sharded alike, where XLA would otherwise choose the outputs' shardings
+    (and the next call would not fit the executable). ``program`` itself on one device."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    if all(len(s.device_set) == 1 for s in jax.tree.leaves(shardings)):
+        return program
+
+    def kept(*args: Any) -> Any:
+        new, *rest = program(*args)
+        return (jax.lax.with_sharding_constraint(new, shardings), *rest)
+
+    return kept
 
 
 class Windowed(abc.ABC):
@@ -145,8 +163,10 @@ class Scan(Windowed):
         def program() -> Any:
             backend = backend_of(placement.of(chunk))
             if self._report is None:
-                return scan_window(self._fn, backend, steps)
-            return reporting_scan_program(loop_body(self._fn, backend), steps, *self._report[1:])
+                run = scan_window(self._fn, backend, steps)
+            else:
+                run = reporting_scan_program(loop_body(self._fn, backend), steps, *self._report[1:])
+            return keeping_shardings(run, state)
 
         kind = "scan" if self._report is None else ("scan", *self._report[:2])
         return self._compiler.get(kind, steps, program, state, chunk, start)
@@ -180,8 +200,12 @@ class Loop(Windowed):
         )
         self._started = begin(start)  # donates nothing; the concrete carry gives the step's
         carry = (state, *self._started)  # layout, and starts this window
-        step = self._compiler.get("step", steps, lambda: step_program(self._fn), carry, chunk)
+        step = self._compiler.get("step", steps, self._step_program(state), carry, chunk)
         return begin, step
+
+    def _step_program(self, state: Any) -> Callable[[], Any]:
+        """Makes the program of one step, returning the state placed as ``state`` is."""
+        return lambda: keeping_shardings(step_program(self._fn), state)
 
     def launch(
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
@@ -196,7 +220,7 @@ class Loop(Windowed):
             carry = step(carry, chunk)
             if i == 0 and len(devices) > 1:  # over several devices the step may return the
                 step = self._compiler.get(  # carry sharded otherwise
-                    "step", steps, lambda: step_program(self._fn), carry, chunk
+                    "step", steps, self._step_program(state), carry, chunk
                 )
             if bounded:  # XLA:CPU's devices deadlock in a collective with many steps in flight
                 jax.block_until_ready(carry)
