@@ -2,6 +2,7 @@
 file, so the command stays ready for the next GPU machine."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,5 +31,6 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert modes[:3] == ["plain", "jit, put 2 ahead", "scan 100, put next first"]
     assert "sinkax 1" in modes and "device scan" in modes
     assert (tmp_path / "gpu_sink_sizes.png").stat().st_size > 0
-    assert "3 skipped" in (tmp_path / "tests.log").read_text()  # tests/test_gpu.py, no GPU
+    summary = (tmp_path / "tests.log").read_text().strip().splitlines()[-1]
+    assert re.fullmatch(r"\d+ skipped in [\d.]+s", summary)  # tests/test_gpu.py: no GPU here
     assert len(list(tmp_path.iterdir())) <= 8  # what comes back from a device machine
