@@ -39,11 +39,7 @@ MAX_PREFETCH = 64
 def check_sink_size(sink_size: Any) -> int:
     """``sink_size`` as an int: steps per call (1 to :data:`MAX_SINK_SIZE`), or -1; else a
     ``ValueError``."""
-    if (
-        isinstance(sink_size, bool)
-        or not isinstance(sink_size, numbers.Integral)
-        or not (0 < sink_size <= MAX_SINK_SIZE or sink_size == -1)
-    ):
+    if not (_int_in(sink_size, 1, MAX_SINK_SIZE) or _int_in(sink_size, -1, -1)):
         raise ValueError(
             f"sink_size must be a positive int (steps per call, at most {MAX_SINK_SIZE}: a "
             f"call stacks every step's output) or -1 (one epoch per call), got {sink_size!r}."
@@ -51,14 +47,19 @@ def check_sink_size(sink_size: Any) -> int:
     return int(sink_size)
 
 
+def _int_in(value: Any, least: float, most: float) -> bool:
+    """Whether ``value`` is an int (not a bool) from ``least`` to ``most``."""
+    return (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and least <= value <= most
+    )
+
+
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
     if sink_size != AUTO:
         check_sink_size(sink_size)
-    if (
-        isinstance(prefetch, bool)
-        or not isinstance(prefetch, numbers.Integral)
-        or not 1 <= prefetch <= MAX_PREFETCH
-    ):
+    if not _int_in(prefetch, 1, MAX_PREFETCH):
         raise ValueError(
             f"prefetch must be an int from 1 to {MAX_PREFETCH} (chunks ready ahead: a sink sets "
             "up prefetch + 1 device slots when it starts, each holding up to max_chunk_bytes "
@@ -146,9 +147,7 @@ class SinkConfig:
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
-        if calls is not None and (
-            isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1
-        ):
+        if calls is not None and not _int_in(calls, 1, math.inf):
             raise ValueError(
                 f"calls must be an int >= 1 (the calls this sink will make) or None (as many "
                 f"as you like), got {calls!r}."

@@ -27,27 +27,6 @@ def is_extended(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
-def stacked_zeros(tree: Any, steps: int, device: jax.Device | jax.sharding.Sharding) -> Any:
-    """Zero buffers for ``steps`` stacked leaves of the abstract ``tree``, to ``device_put`` to
-    ``device`` (a device or a sharding) in one transfer: numpy arrays, except for extended
-    dtypes (typed keys), which numpy cannot hold and are built there directly.
-
-    >>> key = jax.eval_shape(jax.random.key, 0)
-    >>> out = {"loss": jax.ShapeDtypeStruct((), np.float32), "key": key}
-    >>> bufs = jax.device_put(stacked_zeros(out, 3, jax.devices()[0]))
-    >>> bufs["loss"].shape, bufs["key"].shape, str(bufs["key"].dtype)
-    ((3,), (3,), 'key<fry>')
-    """
-
-    def zeros(x: Any) -> Any:
-        shape = (steps, *x.shape)
-        if is_extended(x.dtype):
-            return jnp.zeros(shape, x.dtype, device=device)
-        return np.zeros(shape, x.dtype)
-
-    return jax.tree.map(zeros, tree)
-
-
 def deleted_leaf(tree: Any) -> str | None:
     """The path of the first leaf of ``tree`` whose buffer was deleted (donated to a call that
     consumed it), or ``None`` if every array is alive.

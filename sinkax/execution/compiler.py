@@ -17,7 +17,7 @@ import inspect
 import os
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -168,12 +168,12 @@ class Compiler:
         make_program: Callable[[], Callable[..., Any]],
         *args: Any,
         donate: bool = True,
-        also: Any = None,
+        variant: Hashable = None,
     ) -> Any:
         """The executable of ``make_program()`` for ``args``' layout, the first arg donated
-        (if ``donate``); ``also``: an abstract tree the program depends on that ``args`` do not
-        show (e.g. the outputs' layout it makes), part of the cache key."""
-        key = (kind, steps, layout(args), layout(also))
+        (if ``donate``); ``variant``: what else the program depends on that ``args`` do not show
+        (e.g. the layout of the outputs it makes), part of the cache key."""
+        key = (kind, steps, variant, layout(args))
         entry = self._cache.get(key)
         if entry is None:
             lowered = self.lower(make_program(), *args, donate=donate)

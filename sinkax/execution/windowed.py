@@ -168,8 +168,8 @@ class Scan(Windowed):
                 run = reporting_scan_program(loop_body(self._fn, backend), steps, *self._report[1:])
             return keeping_shardings(run, state)
 
-        kind = "scan" if self._report is None else ("scan", *self._report[:2])
-        return self._compiler.get(kind, steps, program, state, chunk, start)
+        variant = None if self._report is None else self._report[:2]
+        return self._compiler.get("scan", steps, program, state, chunk, start, variant=variant)
 
     def launch(
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
@@ -191,12 +191,13 @@ class Loop(Windowed):
         out = self._compiler.memo(
             ("out_shape", layout((state, chunk))), lambda: out_shape(self._fn, state, chunk)
         )
-        begin = self._compiler.get(  # its arguments do not show the outputs' layout
-            ("loop start", layout(out)),
+        begin = self._compiler.get(
+            "loop start",
             steps,
             lambda: start_program(out, steps),
             start,
             donate=False,
+            variant=layout(out),  # its argument does not show the outputs' layout
         )
         self._started = begin(start)  # donates nothing; the concrete carry gives the step's
         carry = (state, *self._started)  # layout, and starts this window
