@@ -139,7 +139,7 @@ class Sink:
                 if kept < piece.steps:  # stop_if_nonfinite: a step was not finite
                     outs, stopped = guard.split(outs, kept)
                 parts.append(outs)  # from here on, an interrupted call has consumed data
-                cursor.ran(piece, (carry, outs), kept)
+                cursor.ran(piece, executor.done, kept)
                 if cursor.ends_call(piece) or stopped is not None:
                     break
             outs = parts[0] if len(parts) == 1 else concat_trees(parts)

@@ -275,6 +275,36 @@ def test_a_donating_call_returns_before_its_compute_ends(emu, counting):
     assert launched < computed / 3  # as on a device stream: the host ran ahead
 
 
+def test_calls_go_on_past_a_used_up_chunk_while_it_is_computed_on(emu, counting):
+    """A call that uses up a chunk hands its slot back without waiting for the compute on it
+    (the producer waits, before it refills the slot): the next calls dispatch meanwhile, as
+    far as the ``prefetch`` chunks ready allow."""
+
+    def slow(s, batch):
+        x = jnp.ones((400, 400)) * batch[0]
+        for _ in range(80):
+            x = jnp.tanh(x @ x * 1e-3)
+        return s + x.sum(), x[0, 0]
+
+    batches = [np.full(8, i, np.float32) for i in range(16)]
+    state = on_device(jnp.float32(0), emu)
+    with sinkax.data_sink(
+        slow, batches, 1, device=emu, prefetch=2, max_chunk_bytes=batches[0].nbytes
+    ) as sink:  # a chunk per call
+        state, _ = sink(state)  # compiled
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state, _ = sink(state)
+        jax.block_until_ready(state)
+        computed = time.perf_counter() - t0  # one call's
+        t0 = time.perf_counter()
+        for _ in range(3):  # each uses up a chunk and takes the next, ready one
+            state, _ = sink(state)
+        launched = time.perf_counter() - t0
+        jax.block_until_ready(state)
+    assert launched < computed  # not waiting for two computes in between
+
+
 def test_emulated_transfers_complete_late_and_launches_cost_time(emu):
     slow = Preset("slow", launch_s=0.15, h2d_latency_s=0.3, d2h_latency_s=0.2)
     f = jax.jit(lambda x: x + 1)

@@ -1,4 +1,5 @@
-"""What the ring hands out: a :class:`Chunk` of consecutive batches, in :class:`Piece` s.
+"""What the ring hands out: a :class:`Chunk` of consecutive batches, in :class:`Piece` s (or a
+:class:`Failure` of its producer, or :class:`Closed`).
 
 A piece is the part of a chunk one sink call runs (or, for a call larger than a chunk, a part
 of that call); it records the data position after its last batch, so the consumer can report
@@ -30,6 +31,21 @@ class Chunk:
 
     data: Any
     pieces: tuple[Piece, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The producer's error, handed out in place of a chunk: raised in the consumer."""
+
+    error: BaseException
+    traceback: Any  # as the producer caught it: each re-raise starts from it again
+
+    def reraise(self) -> None:
+        raise self.error.with_traceback(self.traceback)
+
+
+class Closed:
+    """Handed out once the ring is closed: wakes a waiting consumer."""
 
 
 @dataclasses.dataclass

@@ -86,7 +86,8 @@ class Cursor:
         self._committed = DataPosition.of(source)
         self._chunk: Chunk | None = None  # being consumed, piece by piece
         self._piece = self._offset = 0
-        self._in_flight: Any = None  # the outputs of the last window dispatched
+        # (what is ready once the last window dispatched has computed,), or None: none is
+        self._in_flight: tuple[Any] | None = None
         self._resync = False  # data was taken and not delivered: rewind before the next call
         self.steps = self.calls = 0
         self.data_wait_s = self.busy_s = 0.0
@@ -178,10 +179,10 @@ class Cursor:
 
     def ran(self, piece: Piece, in_flight: Any, steps: int | None = None) -> None:
         """``piece`` was dispatched, and the first ``steps`` of its batches (default: all) were
-        kept; ``in_flight`` are its results (its chunk's slot is freed once they are
-        computed)."""
+        kept; ``in_flight`` is ready once its compute is done (its chunk's slot is refilled only
+        then)."""
         steps = piece.steps if steps is None else steps
-        self._in_flight = in_flight
+        self._in_flight = (in_flight,)
         self._piece += 1
         self._offset += piece.steps
         self.steps += steps
@@ -249,7 +250,7 @@ class Cursor:
             # recorded, the next call rewinds to the committed position (nothing is lost).
             self._resync = True
             self._chunk = None  # no reference past its slot: at most prefetch + 1 chunks live
-            self._finish_in_flight()  # frees the used-up chunk's slot
+            self._release_in_flight()  # the used-up chunk's slot, refilled once computed on
             try:
                 chunk = self._next_chunk()
             except Exception:  # a timeout or the producer's error: nothing was taken
@@ -269,19 +270,20 @@ class Cursor:
         finally:
             self.data_wait_s += time.perf_counter() - t0
 
-    def _finish_in_flight(self) -> None:
-        """Wait for the last dispatched window's compute, then free its chunk's slot.
+    def _release_in_flight(self, wait: bool = False) -> None:
+        """Free the last dispatched window's chunk's slot: the producer refills it once the
+        window's compute is done, so the calls go on meanwhile; with ``wait``, wait for it here.
 
         An unstacked ring's chunk owns no memory that the ring reuses (the batches were handed
         over one by one), so its slot is freed without waiting.
         """
         if self._in_flight is None:
             return
-        if self._ring.packer.staged:
-            with contextlib.suppress(RuntimeError):  # outputs donated or deleted: it is over
-                jax.block_until_ready(self._in_flight)
+        done = self._in_flight[0] if self._ring.packer.staged else None
+        if wait and done is not None:
+            jax.block_until_ready(done)
         self._in_flight = None
-        self._ring.release()
+        self._ring.release(done)
 
     def abandon(self) -> None:
         """Forget the last dispatched window without waiting for it: it may wait in a
@@ -304,7 +306,7 @@ class Cursor:
     def _stop_ring(self) -> bool:
         """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
         self._chunk = None  # before its slot is freed: see _current_chunk
-        self._finish_in_flight()
+        self._release_in_flight(wait=True)
         self._finalizer.detach()
         return self._ring.close(self.timeout)
 

@@ -5,8 +5,10 @@ the first batch's :class:`~sinkax.spec.BatchSpec`, hands it to the ring's packer
 (:mod:`sinkax.channel.packers`: stacked into a slot's staging buffers and put on the device, or
 copied and handed over unstacked, as the strategy's ``feed`` asks) and queues the chunk, ahead of
 the consumer. A chunk holds one of the ``prefetch + 1`` slots from the moment the producer
-starts filling it until the consumer says its compute has finished (:meth:`DeviceRing.release`):
-at most ``prefetch + 1`` chunks are on the device, ``prefetch`` ready and one computed on.
+starts filling it until the compute on it has finished (the consumer hands the slot back with
+what that compute makes, :meth:`DeviceRing.release`, and the producer waits for it before it
+refills the slot, so the consumer never does): at most ``prefetch + 1`` chunks are on the
+device, ``prefetch`` ready and one computed on.
 
 It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
 the source position and state after its last batch.
@@ -22,6 +24,7 @@ consumer can interrupt half done.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import queue
@@ -29,10 +32,11 @@ import threading
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from sinkax import affinity
-from sinkax.channel.chunk import ChannelStats, Chunk, Piece
+from sinkax.channel.chunk import ChannelStats, Chunk, Closed, Failure, Piece
 from sinkax.channel.packers import Build, Packer
 from sinkax.channel.plan import Layout, Plan
 from sinkax.channel.source import Source
@@ -40,15 +44,6 @@ from sinkax.errors import SinkClosedError, SinkExhaustedError, SinkTimeoutError
 from sinkax.spec import BatchSpec, check
 
 CUT_AFTER_S = 0.02  # a consumer waits this long for a whole chunk before it takes a part
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failure:
-    error: BaseException
-    traceback: Any  # as the producer caught it: each re-raise starts from it again
-
-    def reraise(self) -> None:
-        raise self.error.with_traceback(self.traceback)
 
 
 class DeviceRing:
@@ -71,14 +66,15 @@ class DeviceRing:
     def __init__(self, source: Source, plan: Plan, *, prefetch: int, packer: Packer):
         self._source, self._plan, self.packer = source, plan, packer
         # C queues: a Ctrl-C in the consumer cannot leave them half-updated
-        self._free: queue.SimpleQueue[list[np.ndarray] | None] = queue.SimpleQueue()
+        # slots as (staging buffers, what the compute on their last chunk makes)
+        self._free: queue.SimpleQueue[tuple[list[np.ndarray] | None, Any]] = queue.SimpleQueue()
         for _ in range(prefetch + 1):
-            self._free.put(None)  # a slot whose staging buffers are not allocated yet
+            self._free.put((None, None))  # a slot whose staging is not allocated yet
         self._handed_out: collections.deque[list[np.ndarray]] = collections.deque()
-        self._in_use = 0
+        self._taken = self._released = 0  # slots: one writer each, so the consumer takes no lock
         self._lock = threading.Lock()  # the chunk being built, the stats
         self._building: Build | None = None
-        self._ready: queue.SimpleQueue[tuple[Chunk, list[np.ndarray]] | _Failure | _Closed] = (
+        self._ready: queue.SimpleQueue[tuple[Chunk, list[np.ndarray]] | Failure | Closed] = (
             queue.SimpleQueue()
         )
         # No Event or Condition on the consumer side: their Python code, interrupted by a Ctrl-C,
@@ -137,7 +133,7 @@ class DeviceRing:
         except _Stopped:
             return
         except BaseException as error:  # delivered to the consumer, raised there
-            self._ready.put(_Failure(error, error.__traceback__))
+            self._ready.put(Failure(error, error.__traceback__))
             if not self._spec_known:
                 self._spec_known = True
                 self._spec_pending.release()
@@ -149,19 +145,23 @@ class DeviceRing:
         return batch
 
     def _acquire_slot(self) -> list[np.ndarray] | None:
-        """A free slot's staging buffers (``[]`` if not allocated yet); ``None`` once stopped."""
+        """A free slot's staging buffers (``[]`` if not allocated yet), once the compute on its
+        last chunk is done; ``None`` once stopped."""
         t0 = time.perf_counter()
         while True:
             try:
-                staging = self._free.get(timeout=0.05)
+                staging, computing = self._free.get(timeout=0.05)
                 break
             except queue.Empty:
                 if self._stopped:
                     return None
+        if computing is not None:
+            with contextlib.suppress(RuntimeError):  # deleted: the sink was closed
+                jax.block_until_ready(computing)
         self.stats.slot_wait_s += time.perf_counter() - t0
-        with self._lock:
-            self._in_use += 1
-            self.stats.max_chunks_on_device = max(self.stats.max_chunks_on_device, self._in_use)
+        self._taken += 1
+        in_use = self._taken - self._released  # released before it was put back: exact
+        self.stats.max_chunks_on_device = max(self.stats.max_chunks_on_device, in_use)
         return None if self._stopped else (staging or [])
 
     def _build(
@@ -259,7 +259,7 @@ class DeviceRing:
             raise SinkTimeoutError(f"No first batch arrived within {timeout:.1f} s.")
         if self.spec is None:
             failure = self._ready.get()
-            assert isinstance(failure, _Failure)
+            assert isinstance(failure, Failure)
             self._ready.put(failure)
             failure.reraise()
         return self.spec
@@ -271,10 +271,10 @@ class DeviceRing:
             item = self._wait(timeout)
         finally:
             self._consumer_waiting = False
-        if isinstance(item, _Closed):
+        if isinstance(item, Closed):
             self._ready.put(item)
             raise SinkClosedError("The sink was closed while a call waited for its data.")
-        if isinstance(item, _Failure):
+        if isinstance(item, Failure):
             self.failed = True
             self._ready.put(item)  # every later call fails the same way
             item.reraise()
@@ -300,11 +300,11 @@ class DeviceRing:
             except queue.Empty:
                 pass
 
-    def release(self) -> None:
-        """The oldest handed-out chunk's compute has finished: its slot is free again."""
-        with self._lock:
-            self._in_use -= 1
-        self._free.put(self._handed_out.popleft())
+    def release(self, computing: Any = None) -> None:
+        """The oldest handed-out chunk's slot is free again once ``computing`` (arrays the last
+        compute on the chunk makes, or ``None``) is ready; the consumer does not wait."""
+        self._released += 1
+        self._free.put((self._handed_out.popleft(), computing))
 
     def close(self, timeout: float) -> bool:
         """Stop the producer, drop the queued chunks; whether the producer ended in ``timeout`` s.
@@ -314,14 +314,14 @@ class DeviceRing:
         returns. A call waiting in :meth:`get` fails with :class:`~sinkax.SinkClosedError`.
         """
         self._stopped = True
-        self._free.put(None)  # wakes a producer waiting for a slot now, not at its next poll
-        self._ready.put(_Closed())  # wakes a waiting consumer now, not after the join
+        self._free.put((None, None))  # wakes a producer waiting for a slot now
+        self._ready.put(Closed())  # wakes a waiting consumer now, not after the join
         waits = threading.current_thread() is not self._thread  # (collected in its own thread)
         if waits and not self._ended and self._running.acquire(timeout=timeout):
             self._running.release()
         while not self._ready.empty():
             self._ready.get_nowait()
-        self._ready.put(_Closed())
+        self._ready.put(Closed())
         return self._ended
 
 
@@ -337,10 +337,6 @@ def _steps(layout: Layout) -> int:
 
 class _Stopped(Exception):
     """The ring was closed while a chunk was being built."""
-
-
-class _Closed:
-    """Queued by :meth:`DeviceRing.close`: wakes a waiting consumer."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,6 +75,10 @@ class Auto:
     atomic = True  # every candidate compiles before a window's first dispatch
     feed = "stacked"  # as every candidate's
 
+    @property
+    def done(self) -> Any:
+        return self._ran.done
+
     def dispatches(self, steps: int) -> int:
         return self._ran.dispatches(steps)
 

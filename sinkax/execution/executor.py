@@ -234,6 +234,11 @@ class Executor:
             self.progress.ran(steps, getattr(self._strategy, "reported", lambda _: 0)(steps))
         return result
 
+    @property
+    def done(self) -> Any:
+        """What the last window's compute makes: ready once it is done (see ``Strategy``)."""
+        return self._strategy.done
+
     def checked(self, carry: Any, outs: Any, steps: int) -> tuple[Any, int]:
         """A window's ``outs`` and the steps of its ``steps`` that ran: all, unless guarded
         (``stop_if_nonfinite``) and a step was not finite -- which this waits for the window to

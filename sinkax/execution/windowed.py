@@ -42,6 +42,9 @@ class Strategy(Protocol):
     name: str
     atomic: bool  # compiles before its first dispatch, which donates the state: see Sink
     feed: ClassVar[str]  # what it runs on: "stacked" chunks on the device, or "unstacked" batches
+    # arrays the last window's compute makes that nothing donates or hands out: ready once that
+    # compute is done, when its chunk's slot may be refilled (None: nothing to wait for)
+    done: Any
 
     def dispatches(self, steps: int) -> int:
         """Executables dispatched to run a window of ``steps``."""
@@ -87,6 +90,7 @@ class Windowed(abc.ABC):
     name: str
     atomic = True  # everything is compiled before the first dispatch donates the state
     feed: ClassVar[str] = "stacked"
+    done: Any = None  # the position the last window ended at: see Strategy
 
     def __init__(self, fn: StepFn, compiler: Compiler):
         self._fn, self._compiler = fn, compiler
@@ -135,6 +139,7 @@ class Windowed(abc.ABC):
         state, outs, end = self.launch(executables, state, chunk, start, steps)
         self._last = (state, window, executables)  # the usual next call passes `state` back
         self._end = (offset + steps, end)
+        self.done = end  # on the device, never donated: an input of the next window at most
         return state, outs
 
 
