@@ -271,6 +271,19 @@ def test_two_processes_start_as_srun_starts_them(tmp_path):
     check_training(results, steps=6, devices=4, processes=2)
 
 
+def test_two_processes_start_as_open_mpi_mpirun_starts_them(tmp_path):
+    # the variables Open MPI's mpirun (4.x: ORTE) sets for 2 ranks; jax reads the coordinator's
+    # host from the launcher's URI, and its port from JAX_COORDINATOR_PORT (else the job id)
+    mpirun = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://127.0.0.1:34911"}
+    mpirun |= {"OMPI_COMM_WORLD_SIZE": "2", "JAX_COORDINATOR_PORT": str(launch.free_port())}
+    environments = [
+        {**mpirun, "OMPI_COMM_WORLD_RANK": str(i), "OMPI_COMM_WORLD_LOCAL_RANK": str(i)}
+        for i in range(2)
+    ]
+    results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3")
+    check_training(results, steps=6, devices=4, processes=2)
+
+
 def test_two_processes_start_as_torchrun_starts_them(tmp_path):
     # torchrun's (and a PyTorchJob's) variables; here no torch store holds MASTER_PORT
     torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port())}
