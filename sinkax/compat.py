@@ -12,6 +12,7 @@ True
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 from typing import Any
@@ -112,3 +113,20 @@ def coordination_client() -> Any:
     if state is None or not hasattr(state, "client"):
         raise _missing("distributed_state", "Sharing data positions across processes")
     return state.client
+
+
+def abandon_distributed() -> None:
+    """Take the ``jax.distributed`` client and service (and preemption manager) away from jax
+    without shutting them down, and keep them until the process ends, never destroyed: jax's
+    shutdown (also the one their destruction runs) waits for every process of the job, then
+    aborts this one, which a job with a process gone can never pass. After it
+    ``jax.distributed.is_initialized()`` is ``False``. Raises :class:`JaxVersionError` where
+    this jax does not expose them."""
+    state = _private("distributed_state")
+    if state is None or not hasattr(state, "client"):
+        raise _missing("distributed_state", "Leaving a job with a process gone")
+    for name in ("preemption_sync_manager", "client", "service"):
+        kept = getattr(state, name, None)
+        if kept is not None:  # one reference never given back: not even exiting destroys it
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+            setattr(state, name, None)

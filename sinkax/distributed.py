@@ -22,12 +22,16 @@ the same positions in the same order, and fail together: :mod:`sinkax.peers` see
 
 Each process keeps its own data position: ``Sink.data_state()`` is this process's.
 
+A process leaves the job with :func:`shutdown` (:func:`initialize` runs it at exit), which does
+not wait for a process that is gone.
+
 >>> cluster_arguments({})  # no launcher's variables: jax detects the cluster, or fails
 {}
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -37,7 +41,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from sinkax import compat
+from sinkax import compat, peers
 from sinkax.peers import PeerError, PeerTimeoutError
 
 __all__ = [
@@ -49,16 +53,47 @@ __all__ = [
     "local_rows",
     "own_position",
     "shared_position",
+    "shutdown",
 ]
 
 # saved positions are numbered alike in every process: each saves them in one order
 _position_numbers = itertools.count()
+LEAVE_S = 300.0  # how long processes wait for each other to leave: jax's shutdown timeout
 
 
 def initialize() -> None:
     """Join the ``jax.distributed`` job this process belongs to:
-    ``jax.distributed.initialize(**cluster_arguments(os.environ))``."""
+    ``jax.distributed.initialize(**cluster_arguments(os.environ))``; :func:`shutdown` leaves
+    it at exit."""
     jax.distributed.initialize(**cluster_arguments(os.environ))
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Leave the ``jax.distributed`` job, without waiting for a process that is gone.
+
+    The processes meet at a barrier first. If all come, ``jax.distributed.shutdown()``
+    follows, which passes at once. If not, one may be gone for good (killed), and jax's
+    shutdown would wait for it until jax's heartbeat timeout (100 s by default), then abort
+    this process: this process leaves without it, with its own exit status. The barrier waits
+    as long as jax's shutdown would (:data:`LEAVE_S`) -- but after a sink of this process timed
+    out waiting for another (:class:`PeerTimeoutError`), only as long as that sink's rounds
+    (``2 * timeout``, see :func:`sinkax.peers.barrier_ms`). A process still stopped then is
+    ended by jax when it continues, as is every process when process 0 is gone.
+
+    :func:`initialize` runs it at exit; call it instead of ``jax.distributed.shutdown()``.
+    Nothing once the job is left."""
+    if not jax.distributed.is_initialized():
+        return
+    lost = peers.lost_timeout()
+    wait_ms = int(LEAVE_S * 1000) if lost is None else peers.barrier_ms(lost, spent=0.0)
+    client = compat.coordination_client()
+    try:
+        client.wait_at_barrier("sinkax/leave", wait_ms)
+    except Exception:  # the service's DEADLINE_EXCEEDED: a process did not come
+        compat.abandon_distributed()
+        return
+    jax.distributed.shutdown()
 
 
 def cluster_arguments(environ: Mapping[str, str]) -> dict[str, Any]:

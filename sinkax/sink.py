@@ -111,6 +111,7 @@ class Sink:
         stopped: Any = None  # stop_if_nonfinite: the output of the step not kept
         self.nonfinite = None
         try:
+            self._peers.begin()  # the others' time to come counts from here
             self._check_open()
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
             arrays, static = executor.select(state)

@@ -106,7 +106,7 @@ def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
         with sink:
             for call in range(calls):
                 if (jax.process_index(), call) == (args.stop_process, args.stop_at):
-                    stop(args.stop_for)
+                    os.kill(os.getpid(), signal.SIGKILL) if args.kill else stop(args.stop_for)
                 result["call_started"] = time.monotonic()
                 state, outs = sink(state)
                 seen = multihost_utils.process_allgather(outs["ids"], tiled=True)
@@ -201,6 +201,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--stop-process", type=int, default=None, help="SIGSTOPped before ...")
     parser.add_argument("--stop-at", type=int, default=None, help="... this call ...")
     parser.add_argument("--stop-for", type=float, default=0.0, help="... for this many seconds")
+    parser.add_argument("--kill", action="store_true", help="... or killed (SIGKILL) there")
     parser.add_argument("--checkpoint", default=None, help="Model.train with ModelCheckpoint")
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args(argv)
@@ -234,8 +235,8 @@ def main(argv: list[str]) -> None:
         result["sharding"] = str(getattr(state["w"].sharding, "spec", "one device"))
     with open(os.path.join(args.out, f"{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)
-    if distributed:  # waits for every process: the coordinator (process 0) must outlive
-        jax.distributed.shutdown()  # the others' last reads of its key-value store
+    if distributed:  # waits for every process still there: the coordinator (process 0)
+        sinkax.distributed.shutdown()  # must outlive the others' reads of its key-value store
 
 
 if __name__ == "__main__":

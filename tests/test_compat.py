@@ -85,3 +85,10 @@ def test_without_jax_s_platform_lists_a_fixed_set_names_its_platforms(monkeypatc
     assert {"cpu", "cuda", "tpu"} <= compat.jax_platform_names()
     remove(monkeypatch, "platform_aliases")
     assert compat.jax_platform_names() == compat.KNOWN_PLATFORMS
+
+
+def test_without_the_distributed_state_leaving_a_broken_job_names_the_jax_version(monkeypatch):
+    remove(monkeypatch, "distributed_state")
+    with pytest.raises(compat.JaxVersionError) as error:
+        compat.abandon_distributed()
+    assert_names_the_version(error, "distributed_state")

@@ -161,18 +161,39 @@ def test_the_time_a_process_waits_for_the_other_is_counted(job):
 
 
 def test_a_process_stopped_past_the_timeout_fails_both_in_bounded_time(job):
-    # process 1 stops (SIGSTOP) before its 4th call for 8 s; the timeout is 2 s
-    stopped = ["--stop-process", "1", "--stop-at", "3", "--stop-for", "8"]
+    # process 1 stops (SIGSTOP) before its 4th call for 6.5 s; the timeout is 3 s. Process 0
+    # raises within 2 x timeout of that call's start (by design 4 to 5 s, the service checking
+    # barrier deadlines once a second: 1 s of the bound is left for a loaded machine), then
+    # waits to leave the job for 4 to 5 s more; process 1 wakes in between, fails at once,
+    # and both leave together
+    stopped = ["--stop-process", "1", "--stop-at", "3", "--stop-for", "6.5"]
     t0 = time.monotonic()
-    results = job(2, 2, "--calls", "6", "--sink-size", "2", "--timeout", "2", *stopped)
+    results = job(2, 2, "--calls", "6", "--sink-size", "2", "--timeout", "3", *stopped)
     healthy, woken = results
     assert healthy.get("error") == "PeerTimeoutError", results
-    assert "Process 1 did not" in healthy["message"]
-    assert healthy["failed_after_s"] < 2 * 2 + 3  # 2 x timeout, and a margin for 2 cores
+    assert "Process 1 did not get its data ready within 6.0 s" in healthy["message"]
+    assert healthy["failed_after_s"] < 2 * 3
     assert woken.get("error") == "PeerTimeoutError", results  # it does not run on alone
     assert "gave up waiting for this process" in woken["message"]
     assert woken["failed_after_s"] < 3
-    assert time.monotonic() - t0 < 8 + 40  # both end: no hang in a collective or at shutdown
+    assert time.monotonic() - t0 < 6.5 + 40  # both end: no hang in a collective or at shutdown
+
+
+def test_a_killed_process_leaves_the_other_to_fail_and_exit_in_bounded_time(tmp_path):
+    # process 1 is killed (SIGKILL) before its 4th call; the timeout is 2 s. Process 0 raises
+    # within 2 x timeout of that call's start, then leaves the job within 2 x timeout more,
+    # with its own exit status: jax's shutdown would wait for the dead one until jax's
+    # heartbeat timeout (100 s) and then abort it
+    killed = ["--stop-process", "1", "--stop-at", "3", "--kill", "--timeout", "2"]
+    environments = launch.environments(2, 2, launch.free_port())
+    codes, exited, out = start(tmp_path, environments, "--calls", "6", "--sink-size", "2", *killed)
+    assert codes == [0, -signal.SIGKILL]
+    survivor = json.loads((out / "0.json").read_text())
+    assert survivor.get("error") == "PeerTimeoutError", survivor
+    assert "Process 1 did not get its data ready" in survivor["message"]
+    assert survivor["failed_after_s"] < 2 * 2
+    # the clocks are the same (CLOCK_MONOTONIC); + 1 s for the interpreter's exit (0.4 s)
+    assert exited[0] - survivor["call_started"] < 4 * 2 + 1
 
 
 def soak(job, calls: int, seed: int) -> None:
@@ -193,27 +214,39 @@ def test_processes_at_random_speeds_soak(job):
     soak(job, calls=500, seed=2)
 
 
-def cluster(tmp_path, environments: list[dict[str, str]], *args: str) -> list[dict]:
-    """Run the job as one process per environment (as a cluster's launcher starts them, each
-    with 2 forced devices); every process's result."""
+def start(tmp_path, environments: list[dict[str, str]], *args: str) -> tuple[list, list, Path]:
+    """Run the job as one process per environment (as a cluster's launcher starts them);
+    each one's exit code and the time (``time.monotonic()``) it was seen to end by, and the
+    folder of their results."""
     out = tmp_path / "cluster"
     out.mkdir()
     script = [sys.executable, str(JOB), "--out", str(out), "--initialize", *args]
-    children = []
+    children, exited = [], []
     for i, extra in enumerate(environments):
-        env = {**os.environ, **extra, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
         log = open(tmp_path / f"process{i}.log", "w")  # noqa: SIM115 (closed by the OS)
-        children.append(subprocess.Popen(script, env=env, stdout=log, stderr=subprocess.STDOUT))
+        children.append(
+            subprocess.Popen(script, env={**os.environ, **extra}, stdout=log, stderr=log)
+        )
     try:
-        codes = [child.wait(timeout=LIMIT_S) for child in children]
+        for child in children:
+            child.wait(timeout=LIMIT_S)
+            exited.append(time.monotonic())
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    logs = [(tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(len(children))]
-    assert codes == [0] * len(children), logs
-    return [json.loads((out / f"{i}.json").read_text()) for i in range(len(children))]
+    return [child.returncode for child in children], exited, out
+
+
+def cluster(tmp_path, environments: list[dict[str, str]], *args: str) -> list[dict]:
+    """Every process's result of the job run as one process per environment, each with 2
+    forced devices; all must succeed."""
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    codes, _, out = start(tmp_path, [{**env, **devices} for env in environments], *args)
+    logs = [(tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(len(codes))]
+    assert codes == [0] * len(codes), logs
+    return [json.loads((out / f"{i}.json").read_text()) for i in range(len(codes))]
 
 
 def free_slurm_job_id() -> str:
@@ -234,6 +267,19 @@ def test_two_processes_start_as_srun_starts_them(tmp_path):
     slurm = {"SLURM_JOB_ID": job_id, "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
     slurm["SLURM_STEP_NUM_NODES"] = "1"
     environments = [{**slurm, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} for i in range(2)]
+    results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3")
+    check_training(results, steps=6, devices=4, processes=2)
+
+
+def test_two_processes_start_as_open_mpi_mpirun_starts_them(tmp_path):
+    # the variables Open MPI's mpirun (4.x: ORTE) sets for 2 ranks; jax reads the coordinator's
+    # host from the launcher's URI, and its port from JAX_COORDINATOR_PORT (else the job id)
+    mpirun = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://127.0.0.1:34911"}
+    mpirun |= {"OMPI_COMM_WORLD_SIZE": "2", "JAX_COORDINATOR_PORT": str(launch.free_port())}
+    environments = [
+        {**mpirun, "OMPI_COMM_WORLD_RANK": str(i), "OMPI_COMM_WORLD_LOCAL_RANK": str(i)}
+        for i in range(2)
+    ]
     results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3")
     check_training(results, steps=6, devices=4, processes=2)
 

@@ -2,13 +2,14 @@
 
 import sys
 import time
+import types
 
 import jax
 import numpy as np
 import pytest
 
 import sinkax
-from sinkax import distributed, launch, placement
+from sinkax import compat, distributed, launch, peers, placement
 from sinkax.backend import backend_of
 from sinkax.execution import choice as strategy
 
@@ -85,3 +86,44 @@ def test_a_one_device_mesh_is_placed_as_its_device():
     batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     resolved = placement.resolve(None, batch, jax.devices)
     assert resolved == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+class FakeCoordination:
+    """The coordination client of a one-process job: records each barrier's timeout."""
+
+    def __init__(self):
+        self.store: dict[str, str] = {}
+        self.barrier_ms: list[int] = []
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.store[key] = value
+
+    def key_value_dir_get(self, folder):
+        return [(key, value) for key, value in self.store.items() if key.startswith(folder)]
+
+    def wait_at_barrier(self, barrier_id, timeout_in_ms):
+        self.barrier_ms.append(timeout_in_ms)
+
+
+def test_a_round_gives_the_others_what_is_left_of_twice_the_timeout(monkeypatch):
+    # the service decides a barrier's timeout only at its next check (once a second): a call
+    # must hand it what is left of 2 x timeout, less that, counted from the call's start
+    client, now = FakeCoordination(), [100.0]
+    clock = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=lambda: now[0])
+    monkeypatch.setattr(peers, "time", clock)
+    monkeypatch.setattr(compat, "coordination_client", lambda: client)
+    sink = peers.Peers("test/sink", timeout=10.0)
+
+    def fetch(seconds):
+        now[0] += seconds  # this process's own wait for its data: not counted
+        return "chunk"
+
+    sink.begin()
+    now[0] += 0.5  # the call's own work before its first round (placing the state, ...)
+    sink.agree(lambda: fetch(7.0), describe=lambda chunk: {})
+    sink.agree(lambda: fetch(0.0), describe=lambda chunk: {})  # the call's second piece
+    sink.begin()
+    now[0] += 9.0  # busy for long: the others still get the timeout itself
+    sink.agree(lambda: fetch(0.0), describe=lambda chunk: {})
+    left = 2 * 10.0 - peers.VERDICT_S
+    assert client.barrier_ms == [int(1000 * (left - 0.5)), int(1000 * left), 10_000]
