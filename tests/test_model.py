@@ -513,12 +513,22 @@ def test_resume_continues_with_the_strategy_auto_chose(tmp_path, monkeypatch):
     assert resumed.sink_stats.strategy == chosen and resumed.sink_stats.strategy_timings == {}
 
 
+class _CtrlCInEpoch(Callback):
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_step_end(self, run):
+        if run.epoch == self.epoch:
+            raise KeyboardInterrupt
+
+
 def test_auto_sizes_resume_at_the_saved_size_with_exactly_the_next_batch(tmp_path):
     dataset = shuffled_blobs(10)  # reshuffled each epoch
     auto = {"sink_size": "auto", "call_seconds": 1e6}  # a measured call's target: 8x, to 10
     uninterrupted = new_model(**SCAN)
     whole = uninterrupted.train(4, dataset, **auto).sink_stats.call_sizes
-    new_model(**SCAN).train(2, dataset, callbacks=ModelCheckpoint(tmp_path), **auto)
+    with pytest.raises(KeyboardInterrupt):  # after epoch 3's first call: epoch 2 was saved last
+        new_model(**SCAN).train(4, dataset, [ModelCheckpoint(tmp_path), _CtrlCInEpoch(3)], **auto)
     saved = new_model().restore(tmp_path)["data_state"]["call_steps"]
     resumed = new_model(**SCAN)
     run = resumed.train(4, dataset, resume_from=tmp_path, **auto)
