@@ -6,6 +6,7 @@ lines, then the accuracy on the held-out test images and a one-line summary.
 
     sinkax train                      # 15 epochs, one sink (125 steps) per epoch
     sinkax train --sink-size 50 --epochs 30
+    sinkax train --sink-size auto --call-seconds 0.5   # each epoch in calls of about 0.5 s
     sinkax train --no-sink            # one host batch per step, for comparison
     sinkax train --lr 0.01 --schedule constant --epochs 20   # MindSpore's exact nn.Momentum
     python -m sinkax train --data-dir ~/MNIST --epochs 2
@@ -18,6 +19,8 @@ flat at log(10) for several epochs, and the reference's constant 0.01 gets off t
 (epoch 6 to 9) and then swings by a few points of accuracy from epoch to epoch.
 ``--checkpoint-dir DIR`` saves every epoch and resumes from the latest checkpoint in ``DIR``;
 ``--progress K`` shows a progress bar advanced every K steps from inside each sink.
+``--sink-size auto`` runs each epoch as sinks sized to last about ``--call-seconds`` each
+(``Model.train(..., sink_size="auto")``), so a loss line comes about that often.
 
 >>> build_parser().parse_args(["train", "--epochs", "2"]).epochs
 2
@@ -38,6 +41,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def _sink_size(text: str) -> int | str:
+    """``--sink-size``: ``auto`` or an int (its range checked by ``Model.train``)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int or auto, got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sinkax`` argument parser."""
     parser = argparse.ArgumentParser(prog="sinkax", description=__doc__.split("\n\n")[0])
@@ -51,7 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=_positive, default=15, help="epochs to train")
     train.add_argument("--batch-size", type=int, default=32, help="training batch size")
     train.add_argument(
-        "--sink-size", type=int, default=-1, help="steps per sink (= per epoch); -1: whole pass"
+        "--sink-size",
+        type=_sink_size,
+        default=-1,
+        help="steps per sink (= per epoch); -1: whole pass; auto: each pass in sinks of about "
+        "--call-seconds",
+    )
+    train.add_argument(
+        "--call-seconds",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="with --sink-size auto: the seconds one sink should last (default 1)",
     )
     train.add_argument(
         "--no-sink", action="store_true", help="dataset_sink_mode=False: one host step per batch"
@@ -112,6 +143,8 @@ def _eval_batch_size(num_images: int, limit: int = 500, multiple_of: int = 1) ->
 
 def train_lenet(args: argparse.Namespace) -> float:
     """Run ``sinkax train``; returns the test accuracy."""
+    if args.call_seconds is not None and args.sink_size != "auto":
+        raise ValueError("--call-seconds sizes the sinks of --sink-size auto: give both.")
     import jax
     import optax
 
@@ -158,11 +191,15 @@ def train_lenet(args: argparse.Namespace) -> float:
         else f"{sinkax.backend.default_device()!r}"  # EmuDevice(id=0), CudaDevice(id=0), ...
     )
     source = args.data_dir or "the bundled 5,000-image sample"
-    steps = args.sink_size if args.sink_size > 0 and not args.no_sink else len(train_set)
+    fixed = args.sink_size != "auto" and args.sink_size > 0 and not args.no_sink
+    steps = args.sink_size if fixed else len(train_set)
+    sinks = f"sink_size={args.sink_size}"
+    if args.sink_size == "auto":
+        sinks += f" (calls of about {args.call_seconds or 1.0:g} s)"
     print(
         f"LeNet5 on MNIST from {source}: {len(train_set) * args.batch_size} training images in "
         f"batches of {args.batch_size}, {num_test} test images; {args.epochs} epochs of {steps} "
-        f"steps, {'no sink' if args.no_sink else f'sink_size={args.sink_size}'}, on {where}",
+        f"steps, {'no sink' if args.no_sink else sinks}, on {where}",
         flush=True,
     )
     lr = args.lr
@@ -190,6 +227,7 @@ def train_lenet(args: argparse.Namespace) -> float:
         dataset_sink_mode=not args.no_sink,
         sink_size=-1 if args.no_sink else args.sink_size,
         resume_from=resume,
+        call_seconds=None if args.no_sink else args.call_seconds,
     )
     accuracy = model.eval(test_set)["accuracy"]
     strategy = run.sink_stats.strategy if run.sink_stats else "none (no sink)"

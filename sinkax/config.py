@@ -36,13 +36,16 @@ MAX_SINK_SIZE = 2**31 - 1  # scan counts its steps in int32 (without jax_enable_
 MAX_PREFETCH = 64
 
 
-def check_sink_size(sink_size: Any) -> int:
-    """``sink_size`` as an int: steps per call (1 to :data:`MAX_SINK_SIZE`), or -1; else a
-    ``ValueError``."""
+def check_sink_size(sink_size: Any) -> int | str:
+    """``sink_size`` as an int: steps per call (1 to :data:`MAX_SINK_SIZE`), or -1; or
+    :data:`AUTO`; else a ``ValueError``."""
+    if isinstance(sink_size, str) and sink_size == AUTO:
+        return AUTO
     if not (_int_in(sink_size, 1, MAX_SINK_SIZE) or _int_in(sink_size, -1, -1)):
         raise ValueError(
             f"sink_size must be a positive int (steps per call, at most {MAX_SINK_SIZE}: a "
-            f"call stacks every step's output) or -1 (one epoch per call), got {sink_size!r}."
+            f"call stacks every step's output), -1 (one epoch per call) or 'auto' (calls of "
+            f"about call_seconds), got {sink_size!r}."
         )
     return int(sink_size)
 
@@ -57,8 +60,7 @@ def _int_in(value: Any, least: float, most: float) -> bool:
 
 
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
-    if sink_size != AUTO:
-        check_sink_size(sink_size)
+    check_sink_size(sink_size)
     if not _int_in(prefetch, 1, MAX_PREFETCH):
         raise ValueError(
             f"prefetch must be an int from 1 to {MAX_PREFETCH} (chunks ready ahead: a sink sets "
@@ -80,6 +82,32 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
     ):
         raise ValueError(
             f"max_chunk_bytes must be a number of bytes >= 1, got {max_chunk_bytes!r}."
+        )
+
+
+def _check_bounds(sink_size: int | str, calls: Any, total_steps: Any) -> None:
+    """``calls`` bounds a sink of fixed sizes, ``total_steps`` an auto one: else a
+    ``ValueError``."""
+    bounds = (
+        ("calls", calls, "calls this sink will make"),
+        ("total_steps", total_steps, "steps it will run"),
+    )
+    for name, value, what in bounds:
+        if value is not None and not _int_in(value, 1, math.inf):
+            raise ValueError(
+                f"{name} must be an int >= 1 (the {what}) or None (as many as you like), got "
+                f"{value!r}."
+            )
+    if sink_size == AUTO and calls is not None:
+        raise ValueError(
+            "sink_size='auto' decides its calls' sizes as it runs, so calls= (a count of "
+            "calls planned ahead) does not apply: give total_steps= (the steps it will run) to "
+            "bound it, or a fixed sink_size."
+        )
+    if sink_size != AUTO and total_steps is not None:
+        raise ValueError(
+            "total_steps= bounds a sink_size='auto' sink (its last call ends there); a sink of "
+            f"fixed sizes (here {sink_size}) is bounded by calls= (the calls it will make)."
         )
 
 
@@ -120,6 +148,7 @@ class SinkConfig:
     save_graphs: str | None
     ragged_last: bool
     calls: int | None = None  # the calls the sink will make, when known
+    total_steps: int | None = None  # the steps a sink_size="auto" sink will run, when known
     stop_if_nonfinite: Watch = None  # what is checked, see sinkax.execution.guard.watcher
     progress: progress_hook.Hook | None = None  # see sinkax.execution.progress
     progress_every: int = 100
@@ -128,7 +157,7 @@ class SinkConfig:
     @classmethod
     def of(
         cls,
-        sink_size: int = 1,
+        sink_size: int | str = 1,
         *,
         jit: bool = True,
         strategy: str = "auto",
@@ -139,6 +168,7 @@ class SinkConfig:
         sharding: Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         calls: int | None = None,
+        total_steps: int | None = None,
         ragged_last: bool = False,
         stop_if_nonfinite: Watch = None,
         progress: progress_hook.Hook | None = None,
@@ -147,22 +177,13 @@ class SinkConfig:
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
-        if calls is not None and not _int_in(calls, 1, math.inf):
-            raise ValueError(
-                f"calls must be an int >= 1 (the calls this sink will make) or None (as many "
-                f"as you like), got {calls!r}."
-            )
+        _check_bounds(sink_size, calls, total_steps)
         watcher(stop_if_nonfinite)  # a TypeError naming the forms it takes
         progress_hook.check(progress, progress_every)
         if sink_size == AUTO and jax.process_count() > 1:
             raise ValueError(
                 "sink_size='auto' sizes calls from this process's own timings, but every "
                 "process must run the same calls: give a fixed sink_size across processes."
-            )
-        if sink_size == AUTO and calls is not None:
-            raise ValueError(
-                "sink_size='auto' decides its calls' sizes as it runs, so calls= (a count of "
-                "calls planned ahead) does not apply: leave it out, or give a fixed sink_size."
             )
         return cls(
             sink_size=sink_size if sink_size == AUTO else int(sink_size),
@@ -176,6 +197,7 @@ class SinkConfig:
             ),
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
             calls=None if calls is None else int(calls),
+            total_steps=None if total_steps is None else int(total_steps),
             ragged_last=bool(ragged_last),
             stop_if_nonfinite=stop_if_nonfinite or None,
             progress=progress,

@@ -35,10 +35,12 @@ class SinkClosedError(SinkError):
 
 
 class SinkExhaustedError(SinkError):
-    """The sink has made the ``calls`` it was created for: its producer read no data past them."""
+    """The sink has made the ``calls`` (or run the ``total_steps``) it was created for: its
+    producer read no data past them."""
 
     def __init__(self) -> None:
         super().__init__(
-            "This sink has made every call it was created for (its `calls=`), and its producer "
-            "read no data past them. Create it with a larger `calls=`, or without it to run on."
+            "This sink has made every call it was created for (its `calls=`, or its "
+            "`total_steps=` for sink_size='auto'), and its producer read no data past them. "
+            "Create it with a larger bound, or without one to run on."
         )

@@ -60,7 +60,9 @@ def test_a_call_ends_at_its_target_or_at_an_epochs_end():
     ("option", "match"),
     [
         ({"call_seconds": 0}, "call_seconds must be"),
-        ({"calls": 3}, "calls= .* does not apply"),
+        ({"calls": 3}, "calls= .* does not apply.*total_steps="),
+        ({"total_steps": 0}, "total_steps must be an int >= 1"),
+        ({"total_steps": 6, "sink_size": 3}, "total_steps= bounds a sink_size='auto' sink.*calls="),
         ({"data_state": {"call_steps": 0}}, r"call_steps'\] must be"),
     ],
 )
@@ -69,8 +71,9 @@ def test_bad_auto_options_are_named(option, match):
     if "data_state" in option:
         with sinkax.data_sink(collect_index, dataset, "auto") as sink:
             option = {"data_state": {**sink.data_state(), **option["data_state"]}}
+    option = {"sink_size": "auto", **option}
     with pytest.raises(ValueError, match=match):
-        sinkax.data_sink(collect_index, dataset, "auto", **option).close()
+        sinkax.data_sink(collect_index, dataset, **option).close()
 
 
 def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
@@ -92,6 +95,28 @@ def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
     with sinkax.data_sink(collect_index, dataset, "auto", data_state=saved) as sink:
         sink(jnp.int32(0))  # the resumed sink starts at the size the saved one reached
         assert sink.stats.call_sizes == (200,)
+
+
+def test_total_steps_ends_the_last_call_there_and_reads_nothing_past_it(monkeypatch):
+    clock = itertools.count(step=1e-3)  # every call "takes" a millisecond: targets x8 a call
+    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    read = []
+
+    def counted():
+        for i in range(100):
+            read.append(i)
+            yield {"index": np.full((2,), i, np.int32)}
+
+    dataset = type("Counted", (), {"__iter__": lambda self: counted()})()
+    with sinkax.data_sink(collect_index, dataset, "auto", total_steps=20, prefetch=4) as sink:
+        while sink.step < 20:  # targets x8 a call: the last call ends at the bound, not its target
+            sink(jnp.int32(0))
+        sizes = sink.stats.call_sizes
+        with pytest.raises(sinkax.errors.SinkExhaustedError, match="total_steps="):
+            sink(jnp.int32(0))
+        assert sink.step == 20  # the failed call took nothing
+    assert sum(sizes) == 20 and sizes[0] == 1
+    assert read == list(range(20))  # prefetch 4 chunks ahead, but the run ends at 20 steps
 
 
 def test_ctrl_c_anywhere_in_an_auto_call_keeps_the_state_and_every_batch(batches):

@@ -36,6 +36,17 @@ def test_train_prints_losses_times_and_accuracy(capsys, mode):
     assert re.match(summary, out[-1]), out[-1]
 
 
+def test_train_with_auto_sink_sizes_runs_each_epoch_in_several_calls(capsys):
+    pytest.importorskip("mlxtend")
+    command = ["train", "--epochs", "1", "--batch-size", "100", "--sink-size", "auto"]
+    assert main([*command, "--call-seconds", "0.05"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "1 epochs of 40 steps, sink_size=auto (calls of about 0.05 s)" in out[0]
+    losses = [line.split(",")[0] for line in out if LOSS_LINE.match(line)]
+    assert len(losses) > 1 and losses[-1] == "epoch: 1 step: 40"  # a line a call, the first 1 step
+    assert len([line for line in out if TIME_LINE.match(line)]) == 1  # an epoch is a pass
+
+
 def test_train_shows_progress_from_inside_each_sink(capsys, monkeypatch):
     pytest.importorskip("mlxtend")
     advanced = []
@@ -59,9 +70,10 @@ def test_python_dash_m_and_bad_options():
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
-    with pytest.raises(SystemExit) as exit_info:  # before anything is built
-        main(["train", "--epochs", "0"])
-    assert exit_info.value.code == 2
+    for bad in (["--epochs", "0"], ["--sink-size", "many"], ["--call-seconds", "1"]):
+        with pytest.raises(SystemExit) as exit_info:  # before anything is built
+            main(["train", *bad])
+        assert exit_info.value.code == 2
 
 
 def test_sinkax_pjrt_selects_the_emulated_device_for_the_cli_and_model():

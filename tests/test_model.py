@@ -152,6 +152,22 @@ def test_non_sink_mode_steps_every_batch_and_ignores_sink_size():
     assert_trees_close(model.state, state, rtol=1e-5, atol=1e-6)
 
 
+def test_auto_sink_size_runs_whole_passes_each_in_calls_of_its_own_size():
+    batches, recorder, history = blobs(10), Recorder(), History()
+    model = new_model(**SCAN)
+    run = model.train(3, batches, [recorder, history], sink_size="auto", call_seconds=0.5)
+    sizes = run.sink_stats.call_sizes
+    calls = [e for e in recorder.events if e[0] == "step_end"]
+    assert [e[3] for e in calls] == list(sizes) and len(sizes) > 3  # a step_end a call
+    for epoch in (1, 2, 3):  # the epoch is a pass: its calls end at its end, none crosses it
+        mine = [e[2] for e in calls if e[1] == epoch]
+        assert mine[-1] == 10 and mine == sorted(mine)
+    assert recorder.count("epoch_end") == 3 and run.step == 30 and run.steps_per_epoch == 10
+    state, losses = reference(batches, 30)
+    np.testing.assert_allclose(history.losses, losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(model.state, state, rtol=1e-5, atol=1e-6)
+
+
 def test_initial_epoch_numbers_the_epochs_that_run():
     recorder = Recorder()
     run = new_model().train(4, blobs(3), callbacks=recorder, initial_epoch=2)
@@ -268,23 +284,26 @@ def test_connected_network_gives_the_model_results(sink_mode):
     assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
 
 
-def test_ctrl_c_anywhere_in_a_non_sink_step_keeps_the_state_and_every_batch():
+@pytest.mark.parametrize(
+    "mode", [{"dataset_sink_mode": False}, {"sink_size": "auto"}], ids=["non-sink", "auto"]
+)
+def test_ctrl_c_anywhere_in_a_call_of_an_epoch_keeps_the_state_and_every_batch(mode):
     step = make_train_step(linear, cross_entropy, OPTIMIZER)
     batches = blobs(4)
     for k in itertools.count():
-        with DatasetHelper(batches, dataset_sink_mode=False, epoch_num=2) as helper:
+        with DatasetHelper(batches, epoch_num=2, strategy="scan", **mode) as helper:
             net, trained = connect_network_with_dataset(step, helper), 0
             state = TrainState.create(init_params(), OPTIMIZER)
-            for epoch in range(2):  # an interrupted step's batch comes again, in this epoch
-                for i, _ in enumerate(helper):
+            for epoch in range(2):  # an interrupted call's batches come again, in this epoch
+                for i, _ in enumerate(helper):  # (auto: the first call of an epoch is 1 step)
                     with (
-                        contextlib.suppress(KeyboardInterrupt),  # a held one stops the next step
+                        contextlib.suppress(KeyboardInterrupt),  # a held one stops the next call
                         ctrl_c_at_check(
                             k if (epoch, i) == (0, 1) else -1, sinkax.Sink.__call__
                         ) as checks,
                     ):
-                        state, _ = net(state)
-                        trained += 1
+                        state, metrics = net(state)
+                        trained += len(metrics["loss"])
             position = helper.data_state()
         assert int(state.step) == trained == 4 * position["epoch"] + position["step"]
         assert_trees_close(state, reference(batches, trained)[0], rtol=1e-6)
@@ -336,10 +355,14 @@ def test_helper_misuse_is_explained():
         host_net(state)
 
 
-@pytest.mark.parametrize("sink_mode", [True, False], ids=["sink", "non-sink"])
-def test_a_ctrl_c_after_an_epochs_last_step_still_counts_the_epoch(sink_mode):
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"dataset_sink_mode": False}, {"sink_size": "auto"}],
+    ids=["sink", "non-sink", "auto"],
+)
+def test_a_ctrl_c_after_an_epochs_last_step_still_counts_the_epoch(mode):
     data = [{"i": np.int32(i)} for i in range(4)]
-    with DatasetHelper(data, dataset_sink_mode=sink_mode, epoch_num=3) as helper:
+    with DatasetHelper(data, epoch_num=3, **mode) as helper:
         net = connect_network_with_dataset(lambda s, b: (s + 1, b["i"]), helper)
         state, seen, interrupted = jnp.int32(0), [], False
         while True:  # a loop that carries on after a Ctrl-C, until the helper has run out
@@ -490,6 +513,32 @@ def test_resume_continues_with_the_strategy_auto_chose(tmp_path, monkeypatch):
     assert resumed.sink_stats.strategy == chosen and resumed.sink_stats.strategy_timings == {}
 
 
+class _CtrlCInEpoch(Callback):
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_step_end(self, run):
+        if run.epoch == self.epoch:
+            raise KeyboardInterrupt
+
+
+def test_auto_sizes_resume_at_the_saved_size_with_exactly_the_next_batch(tmp_path):
+    dataset = shuffled_blobs(10)  # reshuffled each epoch
+    auto = {"sink_size": "auto", "call_seconds": 1e6}  # a measured call's target: 8x, to 10
+    uninterrupted = new_model(**SCAN)
+    whole = uninterrupted.train(4, dataset, **auto).sink_stats.call_sizes
+    with pytest.raises(KeyboardInterrupt):  # after epoch 3's first call: epoch 2 was saved last
+        new_model(**SCAN).train(4, dataset, [ModelCheckpoint(tmp_path), _CtrlCInEpoch(3)], **auto)
+    saved = new_model().restore(tmp_path)["data_state"]["call_steps"]
+    resumed = new_model(**SCAN)
+    run = resumed.train(4, dataset, resume_from=tmp_path, **auto)
+    sizes = run.sink_stats.call_sizes
+    assert saved > 1 and sizes[0] == saved  # not 1 again: the calls the uninterrupted run made
+    assert sizes == whole[-len(sizes) :]
+    assert run.initial_epoch == 2 and run.step == 40
+    assert_trees_equal(resumed.state, uninterrupted.state)  # every call a window of 1 step
+
+
 def test_resume_in_a_fresh_process(tmp_path):
     dataset = shuffled_blobs(10)
     uninterrupted = new_model(**SCAN)
@@ -617,6 +666,17 @@ def test_a_checkpoint_directory_that_cannot_be_made_fails_before_training(tmp_pa
     with pytest.raises(ValueError, match="cannot write to"):
         new_model().train(2, blobs(2), [history, ModelCheckpoint(tmp_path / "file" / "ckpt")])
     assert history.losses.size == 0
+
+
+def test_auto_sink_size_needs_a_sized_dataset_and_call_seconds_needs_auto():
+    with pytest.raises(ValueError, match=r"sink_size='auto'.*no len\(\).*sized dataset"):
+        new_model().train(1, iter(blobs(2)), sink_size="auto")
+    with pytest.raises(ValueError, match=r"call_seconds.*sink_size='auto'.*got sink_size=4"):
+        new_model().train(1, blobs(2), sink_size=4, call_seconds=2.0)
+    with pytest.raises(ValueError, match="call_seconds must be"):
+        new_model().train(1, blobs(2), sink_size="auto", call_seconds=0)
+    with pytest.raises(ValueError, match=r"sink_size must be .*'auto'"):
+        new_model().train(1, blobs(2), sink_size="Auto")
 
 
 def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):

@@ -207,11 +207,12 @@ def test_a_sink_holds_at_most_prefetch_plus_one_chunks_in_device_memory(emu, cou
     assert emu.memory_stats()["bytes_in_use"] <= live + 64  # freed on close, but the state
 
 
-def test_a_helpers_epochs_move_each_batch_once_and_nothing_past_the_last(emu, counting):
+@pytest.mark.parametrize("sink_size", [-1, "auto"])
+def test_a_helpers_epochs_move_each_batch_once_and_nothing_past_the_last(emu, counting, sink_size):
     batch = {"x": np.ones((500, 32, 32, 1), np.float32)}  # 2 MB: an eval set of 2 batches
     data, epochs = [batch, batch], 3
     before = pjrt.interactions()
-    with DatasetHelper(data, True, -1, epoch_num=epochs, device=emu) as helper:
+    with DatasetHelper(data, True, sink_size, epoch_num=epochs, device=emu) as helper:
         net = connect_network_with_dataset(lambda b: b["x"].mean(), helper)
         for _ in range(epochs):
             for _ in helper:

@@ -68,7 +68,7 @@ class Cursor:
         self._source, self._packer = source, packers.of(feed, config.sharding, config.ragged_last)
         self.sizer = None  # sink_size="auto"
         if config.sink_size == AUTO:
-            self.sizer = CallSizer(config.call_seconds, source.epoch_length)
+            self.sizer = CallSizer(config.call_seconds, source.epoch_length, config.total_steps)
         sizes = self.sizer.granule if self.sizer else config.sink_size
         self._plan = functools.partial(
             plan,
@@ -294,10 +294,11 @@ class Cursor:
     def _start_ring(self) -> None:
         with interrupt.held():  # a producer started is a producer recorded (and closed)
             left = None if self._calls is None else self._calls - self.calls
+            steps = self.sizer.steps_left() if self.sizer else None  # "auto"'s total_steps
             self._ring = DeviceRing(
                 self._source,
                 # holds no reference to the cursor: an unclosed sink is collected
-                functools.partial(self._plan, calls=left),
+                functools.partial(self._plan, calls=left, steps=steps),
                 prefetch=self.prefetch,
                 packer=self._packer,
             )

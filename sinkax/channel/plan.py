@@ -26,25 +26,30 @@ def call_sizes(
     epoch_length: int | None,
     start_step: int,
     calls: int | None = None,
+    steps: int | None = None,
 ) -> Iterator[int]:
     """Steps of successive calls: ``sink_size``, or (for ``-1``) the rest of each epoch, or (a
     function: ``sink_size="auto"``'s granules, see :mod:`sinkax.channel.sizing`) what it gives
-    when asked, cut at each epoch's end; ``calls`` of them, or endlessly.
+    when asked, cut at each epoch's end; ``calls`` of them and ``steps`` in all (the last one
+    cut there), or endlessly.
 
     >>> from itertools import islice
     >>> list(islice(call_sizes(-1, 10, start_step=3), 3)), list(call_sizes(4, None, 0, calls=2))
     ([7, 10, 10], [4, 4])
     >>> list(islice(call_sizes(lambda: 4, 10, start_step=0), 4))
     [4, 4, 2, 4]
+    >>> list(call_sizes(lambda: 4, 10, start_step=0, steps=9))
+    [4, 4, 1]
     """
-    step, made = start_step, 0
-    while calls is None or made < calls:
+    step, made, planned = start_step, 0, 0
+    while (calls is None or made < calls) and (steps is None or planned < steps):
         if callable(sink_size):
             size = sink_size() if epoch_length is None else min(sink_size(), epoch_length - step)
         else:
             size = sink_size if sink_size > 0 else epoch_length - step  # type: ignore[operator]
+        size = size if steps is None else min(size, steps - planned)
         yield size
-        step, made = (step + size) % (epoch_length or 1), made + 1
+        step, made, planned = (step + size) % (epoch_length or 1), made + 1, planned + size
 
 
 def plan_chunks(
@@ -97,17 +102,19 @@ def plan(
     spec: BatchSpec,
     start: Position,
     calls: int | None = None,
+    steps: int | None = None,
     group: bool = True,
 ) -> Iterator[Layout]:
-    """The chunk layouts of a sink's ``calls`` (endless if ``None``) from position ``start`` on
-    (see :func:`plan_chunks`): whole calls grouped up to :data:`MIN_CHUNK_STEPS` steps or
-    :data:`MIN_CHUNK_BYTES`, whichever comes first; or, without ``group``, one piece per chunk.
+    """The chunk layouts of a sink's ``calls`` and ``steps`` (endless if ``None``, see
+    :func:`call_sizes`) from position ``start`` on (see :func:`plan_chunks`): whole calls
+    grouped up to :data:`MIN_CHUNK_STEPS` steps or :data:`MIN_CHUNK_BYTES`, whichever comes
+    first; or, without ``group``, one piece per chunk.
 
     Across processes chunks are not grouped: a waiting consumer takes the complete pieces of the
     chunk being built (see :class:`~sinkax.channel.ring.DeviceRing`), which would make chunk
     boundaries -- and the offsets the processes' collectives meet with -- depend on each
     process's data speed. A chunk of one piece is the same whoever takes it.
     """
-    sizes = call_sizes(sink_size, epoch_length, start.step, calls)
+    sizes = call_sizes(sink_size, epoch_length, start.step, calls, steps)
     min_steps = min(MIN_CHUNK_STEPS, chunk_steps(MIN_CHUNK_BYTES, spec)) if group else 1
     return plan_chunks(sizes, chunk_steps(max_chunk_bytes, spec), min_steps)

@@ -11,7 +11,9 @@ epoch; a call that compiled is not measured. The granule follows the target (an
 :data:`GRANULES`-th of it), lagging by the chunks the producer has read ahead.
 
 The target is part of the data position (``DataPosition.call_steps``): a resumed sink starts
-at the size the saved one had reached, not small again.
+at the size the saved one had reached, not small again. With ``total_steps`` (the steps the
+sink will run, e.g. ``DatasetHelper``'s epochs) the plan ends there and so does the last call,
+whatever its target: nothing is read past it.
 
 >>> sizer = CallSizer(call_seconds=1.0, epoch_length=None)
 >>> sizer.target, sizer.granule()
@@ -57,16 +59,19 @@ def check_call_seconds(call_seconds: Any) -> float:
 
 class CallSizer:
     """The target steps of an auto sink's calls, from their measured times (see the module
-    docstring); ``target`` to start from (a saved one), ``clock`` default :data:`now`."""
+    docstring); ``total_steps``: the steps the sink will run, if bounded; ``target`` to start
+    from (a saved one), ``clock`` default :data:`now`."""
 
     def __init__(
         self,
         call_seconds: float,
         epoch_length: int | None,
+        total_steps: int | None = None,
         target: int = 1,
         clock: Callable[[], float] | None = None,
     ):
         self.call_seconds, self.epoch_length = call_seconds, epoch_length
+        self.total_steps, self.done = total_steps, 0  # done: the steps of the calls ended
         self.target = self._bounded(target)
         self.sizes: collections.deque[int] = collections.deque(maxlen=KEPT_SIZES)
         self._clock = clock or now
@@ -77,10 +82,14 @@ class CallSizer:
         if data_state.call_steps is not None:
             self.target = self._bounded(data_state.call_steps)
 
+    def steps_left(self) -> int | None:
+        """The steps left to plan before ``total_steps`` (``None``: no bound)."""
+        return None if self.total_steps is None else self.total_steps - self.done
+
     def enough(self, steps: int, position: Position) -> bool:
         """Whether a call that has run ``steps`` up to ``position`` (the batch after its last
-        granule) ends there: it holds its target, or an epoch ended."""
-        return steps >= self.target or position.step == 0
+        granule) ends there: it holds its target, an epoch ended, or the sink's steps did."""
+        return steps >= self.target or position.step == 0 or steps == self.steps_left()
 
     def ended(self, steps: int, measure: bool) -> None:
         """A call of ``steps`` ended; ``measure``: it ran as every call does (it compiled
@@ -90,6 +99,7 @@ class CallSizer:
             self.measured(steps, now - self._last_end)
         self._last_end = now
         self.sizes.append(steps)
+        self.done += steps
 
     def _bounded(self, steps: float) -> int:
         steps = max(1, round(steps))

@@ -6,6 +6,9 @@ outs)`` with every step's output stacked on axis 0, so the same loop body serves
 
 * sink mode: one item per epoch, and each ``net(state)`` call runs one whole sink on the device
   (``sink_size`` steps, or the rest of the epoch for ``-1``) through :func:`sinkax.data_sink`;
+  for ``sink_size="auto"`` an epoch is the rest of a pass, one item per call, each call sized
+  to last about ``call_seconds`` (see :mod:`sinkax.channel.sizing`) and none crossing the
+  epoch's end;
 * non-sink mode: one item per batch, and each ``net(state)`` call runs one compiled step on the
   next batch -- a sink of one step per call, with the ``"step"`` strategy, which takes a
   smaller last batch where the dataset has one.
@@ -30,8 +33,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sinkax import context
+from sinkax.channel.position import DataPosition
 from sinkax.channel.source import known_length
-from sinkax.config import check_sink_size
+from sinkax.config import AUTO, check_sink_size
 from sinkax.errors import SinkClosedError
 from sinkax.sink import Sink, SinkStats, data_sink
 
@@ -43,8 +47,9 @@ class DatasetHelper:
       dataset: what :func:`sinkax.data_sink` accepts; non-sink mode needs a known ``len()``.
       dataset_sink_mode: sink (``True``) or one step per batch (``False``).
       sink_size: steps per epoch in sink mode: ``-1`` is a whole pass over the dataset, ``> 0``
-        is ``sink_size`` steps continuing where the last epoch stopped. Ignored in non-sink
-        mode, where every epoch is a whole pass.
+        is ``sink_size`` steps continuing where the last epoch stopped, ``"auto"`` a whole pass
+        in calls of about ``call_seconds`` (a :func:`sinkax.data_sink` option). Ignored in
+        non-sink mode, where every epoch is a whole pass.
       epoch_num: how many epochs the helper is iterated; after the last one it closes itself
         (stops the data producer). Iterating it again raises :class:`~sinkax.SinkClosedError`.
       data_state: a :meth:`data_state` to continue from (e.g. read from a checkpoint).
@@ -53,7 +58,8 @@ class DatasetHelper:
         or ``"scan"`` over several devices).
 
     Items yielded: the number of steps the next ``net(state)`` call runs (``1`` in non-sink
-    mode); call ``net`` once per item.
+    mode; ``None`` for ``"auto"``, whose call decides); call ``net`` once per item. Whatever
+    the mode, the sink reads and moves nothing past the last epoch.
 
     >>> import numpy as np
     >>> data = [(np.float32(i), np.float32(1)) for i in range(3)]
@@ -83,12 +89,16 @@ class DatasetHelper:
         self.dataset_sink_mode = bool(dataset_sink_mode)
         self.sink_size = check_sink_size(sink_size) if self.dataset_sink_mode else -1
         self.epoch_num = int(epoch_num)
-        if not self.dataset_sink_mode and known_length(dataset) is None:
+        passes = self.sink_size == AUTO or not self.dataset_sink_mode  # each epoch a pass
+        if passes and known_length(dataset) is None:
+            mode = "sink_size='auto'" if self.sink_size == AUTO else "dataset_sink_mode=False"
             raise ValueError(
-                f"dataset_sink_mode=False runs whole passes over the dataset, which needs a "
-                f"dataset of known length; {type(dataset).__name__} has no len(). Use a sized "
-                "dataset (a grain MapDataset, a list) or sink mode with sink_size > 0."
+                f"{mode} runs whole passes over the dataset, which needs a dataset of known "
+                f"length; {type(dataset).__name__} has no len(). Use a sized dataset (a grain "
+                "MapDataset, a list) or sink mode with sink_size > 0."
             )
+        # steps per epoch where an epoch is not the rest of a pass: sink_size > 0
+        self._sink_steps = None if self.sink_size in (AUTO, -1) else self.sink_size
         self._options = sink_options
         self._data_state = data_state
         self._epochs_done = 0
@@ -112,7 +122,14 @@ class DatasetHelper:
     @property
     def steps_per_epoch(self) -> int | None:
         """Steps one epoch of this helper runs: ``sink_size`` if positive, else a whole pass."""
-        return self.sink_size if self.sink_size > 0 else self.epoch_length
+        return self._sink_steps or self.epoch_length
+
+    @property
+    def epoch_steps(self) -> int:
+        """Steps the next epoch runs to its end: ``sink_size`` if positive, else the rest of the
+        pass from the data position (a whole pass between epochs)."""
+        sink = self._connected()
+        return self._sink_steps or sink.epoch_length - sink.step  # type: ignore[operator]
 
     def data_state(self) -> dict[str, Any]:
         """Where the next step reads, as :meth:`sinkax.Sink.data_state`: save it to resume."""
@@ -125,11 +142,16 @@ class DatasetHelper:
 
     # -- iteration --------------------------------------------------------------------------
     def __len__(self) -> int:
-        """Items in the next epoch: ``1`` in sink mode, the batches left in non-sink mode."""
-        sink = self._connected()
-        return 1 if self.dataset_sink_mode else sink.epoch_length - sink.step  # type: ignore[operator]
+        """Items in the next epoch: ``1`` in sink mode, the batches left in non-sink mode; a
+        ``TypeError`` for ``sink_size="auto"``, whose calls are sized as they run."""
+        if self.sink_size == AUTO:
+            raise TypeError(
+                "A DatasetHelper of sink_size='auto' sizes its calls as they run: the items of "
+                "an epoch are not known ahead (its steps are: epoch_steps)."
+            )
+        return 1 if self.dataset_sink_mode else self.epoch_steps
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int | None]:
         sink = self._connected()
         self._count_epoch()  # one whose last step ran before a Ctrl-C stopped this generator
         if self._epochs_done >= self.epoch_num:
@@ -141,12 +163,14 @@ class DatasetHelper:
             )
         if self._epoch_from is None:
             self._epoch_from = sink.data_state()
-        if self.dataset_sink_mode:
-            yield self.sink_size if self.sink_size > 0 else sink.epoch_length - sink.step  # type: ignore[operator]
-        else:
+        if not self.dataset_sink_mode:
             for _ in range(len(self)):
                 sink.item = (sink.epoch, sink.step)  # type: ignore[attr-defined]
                 yield 1
+        elif self.sink_size == AUTO:
+            yield from _auto_calls(sink)
+        else:
+            yield self.epoch_steps
         self._count_epoch()
 
     def _count_epoch(self) -> None:
@@ -160,10 +184,19 @@ class DatasetHelper:
             return
         now = self._connected().data_state()
         moved = (now["epoch"], now["step"]) != (start["epoch"], start["step"])
-        if now["epoch"] > start["epoch"] or (self.sink_size > 0 and moved):
+        if now["epoch"] > start["epoch"] or (self._sink_steps and moved):
             self._epochs_done, self._epoch_from = self._epochs_done + 1, None  # no call between
             if self._epochs_done == self.epoch_num:
                 self.close()
+
+    def _bound(self) -> dict[str, int]:
+        """The :func:`sinkax.data_sink` option that ends the sink with the last epoch: a call an
+        epoch (``calls``), or for ``"auto"`` the steps of the epochs (``total_steps``: the
+        rest of the pass the data position is in, and ``epoch_num - 1`` more)."""
+        if self.sink_size != AUTO:
+            return {"calls": self.epoch_num}
+        start = DataPosition.from_dict(self._data_state).step if self._data_state else 0
+        return {"total_steps": self.epoch_num * known_length(self.dataset) - start}  # type: ignore[operator]
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -176,6 +209,18 @@ class DatasetHelper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _auto_calls(sink: Sink) -> Iterator[None]:
+    """The items of a ``sink_size="auto"`` epoch: one per call, until a call ends the pass --
+    or moves nothing (``net`` was not called, or stopped at once: see ``stop_if_nonfinite``),
+    which leaves the epoch to the next iteration, as a ``-1`` epoch's one item does."""
+    epoch = sink.epoch
+    while sink.epoch == epoch:
+        before = sink.step
+        yield None
+        if (sink.epoch, sink.step) == (epoch, before):
+            return
 
 
 def one_step_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -212,8 +257,8 @@ def connect_network_with_dataset(
     helper = dataset_helper
     if helper._sink is not None:
         raise RuntimeError("This DatasetHelper already feeds a network; create one per network.")
-    if helper.dataset_sink_mode:  # a call an epoch: nothing is read or moved past the last
-        size, options = helper.sink_size, {"calls": helper.epoch_num, **helper._options}
+    if helper.dataset_sink_mode:  # nothing is read or moved past the last epoch
+        size, options = helper.sink_size, {**helper._bound(), **helper._options}
     else:
         size, options = 1, one_step_options(helper._options)
     make = data_sink if helper.dataset_sink_mode else _StepPerItem

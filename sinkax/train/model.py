@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from sinkax import backend, context, distributed
+from sinkax.config import AUTO
 from sinkax.errors import warn
 from sinkax.pytree import copy_tree
 from sinkax.train.callbacks import Callback, RunContext
@@ -157,9 +158,10 @@ class Model:
         train_dataset: Any,
         callbacks: Callback | Sequence[Callback] | None = None,
         dataset_sink_mode: bool = True,
-        sink_size: int = -1,
+        sink_size: int | str = -1,
         initial_epoch: int = 0,
         resume_from: str | ModelCheckpoint | None = None,
+        call_seconds: float | None = None,
     ) -> RunContext:
         """Train up to epoch number ``epoch``; returns the final :class:`RunContext`.
 
@@ -167,6 +169,12 @@ class Model:
         * sink mode, ``sink_size > 0``: each epoch is one sink of ``sink_size`` steps and the
           data is traversed endlessly, each epoch continuing where the last stopped (``epoch *
           sink_size`` steps in all);
+        * sink mode, ``sink_size="auto"``: each epoch is one pass over the dataset (as for
+          ``-1``), run as several sinks, each sized to last about ``call_seconds`` (default: the
+          model's ``sink_options``, else 1 s; see :mod:`sinkax.channel.sizing`) and none
+          crossing the epoch's end, so that ``on_step_end`` runs about once per
+          ``call_seconds`` whatever a step costs; the sizes reached are saved with the data
+          position, and a resumed run continues at them;
         * ``dataset_sink_mode=False``: one jitted step per host batch, callbacks after every
           step, each epoch a whole pass; ``sink_size`` is ignored.
 
@@ -192,6 +200,12 @@ class Model:
                 "sink_size is ignored when dataset_sink_mode=False: every epoch is one pass "
                 "over the dataset."
             )
+        elif call_seconds is not None and sink_size != AUTO:
+            raise ValueError(
+                "call_seconds is the target time of a call of sink_size='auto'; got "
+                f"sink_size={sink_size!r}. Pass sink_size='auto', or leave call_seconds out."
+            )
+        timed = {} if call_seconds is None else {"call_seconds": call_seconds}
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
         callbacks = list(callbacks or [])
@@ -202,7 +216,7 @@ class Model:
             sink_size,
             epoch_num=epoch - initial_epoch,
             data_state=data_state,
-            **{**wanted, **self.sink_options},
+            **{**wanted, **self.sink_options, **timed},
         )
         # The sinks donate the state: they get a copy, so that arrays taken from it before (the
         # params given to Model, model.params) stay valid.
@@ -225,18 +239,17 @@ class Model:
             for number in range(initial_epoch + 1, epoch + 1):
                 run.epoch, run.step_in_epoch = number, 0
                 _notify(callbacks, "on_epoch_begin", run)
-                items, done = len(helper), 0
+                whole = helper.epoch_steps  # a stop (or a sink cut short) runs fewer
                 for _ in helper:
                     self.state, run.outputs = net(self.state)
                     steps = len(run.outputs["loss"])
                     run.nonfinite = getattr(net, "nonfinite", None)  # a sink cut short
                     run.state, run.step = self.state, run.step + steps
-                    done += run.nonfinite is None
                     run.step_in_epoch += steps
                     _notify(callbacks, "on_step_end", run)
                     if run.stop_requested:
                         break
-                if done == items:
+                if run.step_in_epoch == whole:
                     _notify(callbacks, "on_epoch_end", run)
                 if run.stop_requested:
                     break
