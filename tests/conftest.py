@@ -20,9 +20,11 @@ import pytest
 import sinkax
 import sinkax.pjrt
 
-# jax's persistent compilation cache: a program compiled once in the session (by any test, or by
-# the subprocesses of the notebook, example and CLI tests, which inherit the environment) is
-# read back instead of compiled again; kept between sessions (.jax_cache/, git-ignored).
+# jax's persistent compilation cache: a program compiled once in the session (by any test, in
+# any of `make test`'s test processes, or by the subprocesses of the notebook, example and CLI
+# tests, which inherit the environment) is read back instead of compiled again; kept between
+# sessions (.jax_cache/, git-ignored). An entry read while another process writes it only warns
+# and compiles again (jax reads the cache that way).
 CACHE_SETTINGS = {
     "jax_compilation_cache_dir": os.environ.get(
         "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
