@@ -1,6 +1,7 @@
 """Small step functions and datasets shared by the core tests."""
 
 import contextlib
+import dataclasses
 import dis
 import itertools
 import os
@@ -125,6 +126,16 @@ def collect_index(state, batch):
 @pytest.fixture
 def batches():
     return regression_batches(10)
+
+
+@pytest.fixture
+def restore_context():
+    """Put sinkax's context and jax's default device back after the test (``set_context`` and
+    ``sinkax train``'s ``main`` set them for the whole process)."""
+    saved, device = sinkax.get_context(), jax.config.jax_default_device
+    yield
+    sinkax.set_context(**dataclasses.asdict(saved))
+    jax.config.update("jax_default_device", device)
 
 
 # -- Ctrl-C where CPython can deliver one -------------------------------------------------------
