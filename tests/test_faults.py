@@ -108,7 +108,7 @@ def test_a_slow_but_steady_pipeline_never_times_out():
 
 
 def test_a_timeout_means_no_batch_for_timeout_seconds_and_says_what_arrived():
-    data = Gated(10, gate_at=5)  # (a timeout a loaded machine's packing and moving stay within)
+    data = Gated(10, gate_at=5)  # 2 s: time for a loaded machine to pack and move the chunk
     with sinkax.data_sink(collect_index, data, -1, timeout=2.0) as sink:
         with pytest.raises(sinkax.SinkTimeoutError, match="delivered 5 batches"):
             sink(jnp.int32(0))
