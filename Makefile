@@ -5,24 +5,26 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml plugin/pyproject.toml plugin/CMakeLists.txt plugin/src/sinkax_pjrt.cc
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[all]'
-	$(PY) -m pip install -q ./plugin  # sinkax's PJRT plugin (C++, CMake): docs/plugin.md
+	@# one resolve for both; the plugin is sinkax's PJRT plugin (C++, CMake): docs/plugin.md
+	$(PY) -m pip install -q -e '.[all]' ./plugin
 	touch $@
 
 .PHONY: demo test slow gpu-wheels gpu-check
 demo: $(VENV)/.installed  ## train LeNet5 on the bundled MNIST sample with sinking
 	$(PY) -m sinkax train
 
+# pytest-xdist: one test process per core (at most 4: each holds a jax runtime)
+XDIST := -n auto --maxprocesses 4
+
 test: $(VENV)/.installed  ## lint + the fast test suite + the docs site (what CI runs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
-	SINKAX_TEST_DEVICE=Emulated $(PY) -m pytest -q tests/test_sink.py tests/test_model.py
+	$(PY) -m pytest -q $(XDIST)
+	SINKAX_TEST_DEVICE=Emulated $(PY) -m pytest -q $(XDIST) tests/test_sink.py tests/test_model.py
 	$(PY) -m mkdocs build --strict --site-dir $(VENV)/site
 
 slow: $(VENV)/.installed  ## the slow tests too
-	$(PY) -m pytest -q -m ''
+	$(PY) -m pytest -q $(XDIST) -m ''
 
 # The GPU machine (benchmarks/gpu_check.py) has jax, flax, optax, pytest, matplotlib... but no
 # grain and not all of grain's needs, and reaches no package registry: these travel as wheels.

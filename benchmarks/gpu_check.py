@@ -45,17 +45,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 SITE = os.path.join(tempfile.gettempdir(), "sinkax-gpu-site")
 WORKLOADS = ("mlp", "lenet", "transformer")
-# seconds per part on a GPU, then in the dry run: together within the default --budget
+# seconds per part on a GPU, then in the dry run: together within the default --budget. The dry
+# run's limits only catch a hung part: about a minute in all on 2 quiet cores, it may take several
+# times that beside other work (tests/test_gpu_check.py runs it in the test suite)
 LIMITS = {
     "wheels": (60, 60),
-    "imports": (30, 30),
-    "env": (45, 30),
-    "tests": (120, 40),
-    "bench-mlp": (70, 30),
-    "bench-lenet": (80, 30),
-    "bench-transformer": (130, 30),
-    "plugin": (35, 20),
+    "imports": (30, 60),
+    "env": (45, 60),
+    "tests": (120, 120),
+    "bench-mlp": (70, 150),
+    "bench-lenet": (80, 150),
+    "bench-transformer": (130, 150),
+    "plugin": (35, 60),
 }
+BUDGET_S = 420  # --budget's default, on a GPU and in the dry run
 
 ENV_SCRIPT = """
 import json, platform, subprocess, jax, jaxlib
@@ -289,7 +292,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU, tiny sizes (the default without a GPU)"
     )
-    parser.add_argument("--budget", type=float, help="seconds for everything (default 420, dry 90)")
+    parser.add_argument("--budget", type=float, help=f"seconds for everything (default {BUDGET_S})")
     parser.add_argument(
         "--out",
         default=os.environ.get("OUT") or "gpu_check_out",
@@ -303,7 +306,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     for name in ("env.txt", "tests.log", "bench.log", "plugin.log"):
         open(os.path.join(args.out, name), "w").close()
-    check = Check(args.out, args.budget or (90 if args.dry_run else 420), args.dry_run, args.skip)
+    check = Check(args.out, args.budget or BUDGET_S, args.dry_run, args.skip)
     check.setup()
     if not check.environment() and not check.dry_run:
         print("No GPU seen by jax (env.txt says why): a dry run on the CPU with tiny sizes.")

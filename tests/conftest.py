@@ -1,6 +1,7 @@
 """Small step functions and datasets shared by the core tests."""
 
 import contextlib
+import dataclasses
 import dis
 import itertools
 import os
@@ -20,9 +21,11 @@ import pytest
 import sinkax
 import sinkax.pjrt
 
-# jax's persistent compilation cache: a program compiled once in the session (by any test, or by
-# the subprocesses of the notebook, example and CLI tests, which inherit the environment) is
-# read back instead of compiled again; kept between sessions (.jax_cache/, git-ignored).
+# jax's persistent compilation cache: a program compiled once in the session (by any test, in
+# any of `make test`'s test processes, or by the subprocesses of the notebook, example and CLI
+# tests, which inherit the environment) is read back instead of compiled again; kept between
+# sessions (.jax_cache/, git-ignored). An entry read while another process writes it only warns
+# and compiles again (jax reads the cache that way).
 CACHE_SETTINGS = {
     "jax_compilation_cache_dir": os.environ.get(
         "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
@@ -123,6 +126,16 @@ def collect_index(state, batch):
 @pytest.fixture
 def batches():
     return regression_batches(10)
+
+
+@pytest.fixture
+def restore_context():
+    """Put sinkax's context and jax's default device back after the test (``set_context`` and
+    ``sinkax train``'s ``main`` set them for the whole process)."""
+    saved, device = sinkax.get_context(), jax.config.jax_default_device
+    yield
+    sinkax.set_context(**dataclasses.asdict(saved))
+    jax.config.update("jax_default_device", device)
 
 
 # -- Ctrl-C where CPython can deliver one -------------------------------------------------------

@@ -14,6 +14,7 @@ from sinkax.train import ProgressBar
 
 LOSS_LINE = re.compile(r"^epoch: \d+ step: \d+, loss is [-0-9.e]+$")
 TIME_LINE = re.compile(r"^epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms$")
+pytestmark = pytest.mark.usefixtures("restore_context")  # main() sets the process's device
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,5 @@
 """``set_context`` as ``Model.train`` sees it: modes, device targets, graph dumps, profiling."""
 
-import dataclasses
 import json
 
 import jax
@@ -11,12 +10,7 @@ from test_model import History, assert_trees_close, blobs, new_model
 import sinkax
 from sinkax.backend import available
 
-
-@pytest.fixture(autouse=True)
-def restore_context():
-    saved = sinkax.get_context()
-    yield
-    sinkax.set_context(**dataclasses.asdict(saved))
+pytestmark = pytest.mark.usefixtures("restore_context")
 
 
 def train(**train_options):

@@ -91,7 +91,7 @@ def test_a_call_whose_batches_were_read_is_not_held_back_by_a_slow_batch_after_t
     data = Gated(100, gate_at=4)  # batch 4 blocks until the gate opens
     with sinkax.data_sink(collect_index, data, 2, timeout=1.0) as sink:
         state, first = sink(jnp.int32(0))
-        time.sleep(0.2)  # the producer reads batches 2-3 and blocks on 4
+        assert data.at_gate.wait(60.0)  # the producer has read batches 2-3 and blocks on 4
         state, second = sink(state)  # needs batches 2-3 only
         data.gate.set()
         state, third = sink(state)
@@ -99,15 +99,17 @@ def test_a_call_whose_batches_were_read_is_not_held_back_by_a_slow_batch_after_t
 
 
 def test_a_slow_but_steady_pipeline_never_times_out():
-    data = Gated(30, delay=0.03)  # one epoch: ~0.9 s, a batch every 0.03 s
-    with sinkax.data_sink(collect_index, data, -1, timeout=0.3) as sink:
+    # one epoch: 2.5 s, longer than the timeout, but a batch every 0.1 s; the timeout leaves a
+    # loaded machine time to pack and move the chunk after the last batch
+    data = Gated(25, delay=0.1)
+    with sinkax.data_sink(collect_index, data, -1, timeout=2.0) as sink:
         _, outs = sink(jnp.int32(0))
-    assert batch_numbers(outs) == list(range(30))
+    assert batch_numbers(outs) == list(range(25))
 
 
 def test_a_timeout_means_no_batch_for_timeout_seconds_and_says_what_arrived():
-    data = Gated(10, gate_at=5)
-    with sinkax.data_sink(collect_index, data, -1, timeout=0.3) as sink:
+    data = Gated(10, gate_at=5)  # 2 s: time for a loaded machine to pack and move the chunk
+    with sinkax.data_sink(collect_index, data, -1, timeout=2.0) as sink:
         with pytest.raises(sinkax.SinkTimeoutError, match="delivered 5 batches"):
             sink(jnp.int32(0))
         data.gate.set()
@@ -136,7 +138,10 @@ def test_restore_data_state_from_another_thread_during_a_call_is_refused():
         position, results = sink.data_state(), []
         worker = threading.Thread(target=lambda: results.append(sink(state)))
         worker.start()
-        time.sleep(0.2)  # the worker's call waits for batch 2
+        deadline = time.monotonic() + 60.0
+        while not sink._running:  # the worker's call has started; it waits for batch 2
+            assert time.monotonic() < deadline, "the worker's call did not start"
+            time.sleep(0.001)
         with pytest.raises(RuntimeError, match="already running a call"):
             sink.restore_data_state(position)
         data.gate.set()

@@ -7,15 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+BUDGET_S = 420  # the check's parts stop within its --budget
 
 
+@pytest.mark.timeout(BUDGET_S + 120)  # about a minute on 2 quiet cores; several beside other work
 def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
+    check = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", tmp_path],
+        [*check, "--budget", str(BUDGET_S), "--out", tmp_path],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=BUDGET_S + 60,
     )
     assert result.returncode == 0, result.stderr
     summary = (tmp_path / "summary.txt").read_text()
