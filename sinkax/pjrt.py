@@ -9,8 +9,6 @@ once per process, **before jax initializes its backends** (before the first ``ja
 * :func:`use_emulated` (or ``SINKAX_PJRT=<preset>`` in the environment): platform ``"emu"`` over
   the XLA:CPU plugin of ``xla-cpu-pjrt``, with its own device buffers (host data is copied,
   results read back), charging a preset's launch and transfer costs (:mod:`sinkax.presets`);
-  its device memory is the host's, kept for reuse as a device's caching allocator keeps it
-  (:func:`keep_freed_memory`);
 * :func:`use_plugin`: any PJRT plugin by path (e.g. a CUDA or an Ascend plugin), counted, under a
   platform name of your choice.
 
@@ -165,32 +163,7 @@ def use_emulated(costs: str | Preset | None = None) -> str:
 
     _plugin_library_path()
     costs = (env_preset() or "pcie4-x16") if costs is None else costs
-    keep_freed_memory()
     return use_plugin(sinkax_pjrt.cpu_plugin_path(), EMULATED_PLATFORM, costs=costs)
-
-
-# mallopt(3) parameters, from glibc's <malloc.h>
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-
-
-def keep_freed_memory() -> bool:
-    """Make this process's ``malloc`` keep the memory it frees for reuse, as a device's caching
-    allocator keeps device memory; whether it could (glibc only: elsewhere nothing changes).
-
-    The emulated device's buffers are XLA:CPU's host allocations. Left as it is, glibc hands a
-    large one (a chunk, a batch of 128 KiB or more) fresh pages from the kernel each time and
-    returns them when it is freed -- a page fault per 4 KiB on every transfer, which no device's
-    memory costs (32 a step for a 128 KiB batch). So: one arena for every thread (a producer
-    thread's arena would map each large block anew), no block mapped on its own, nothing trimmed.
-    The process keeps its peak heap until it exits.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 2**31 - 1))
-    return all(mallopt(param, value) == 1 for param, value in settings)
 
 
 def compiles_with_xla_cpu(platform: str) -> bool:

@@ -223,42 +223,6 @@ def test_a_helpers_epochs_move_each_batch_once_and_nothing_past_the_last(emu, co
     assert counted.h2d_bytes <= epochs * nbytes + 64  # and no row moved twice
 
 
-REUSE = """
-import resource, threading
-import jax, numpy as np
-import sinkax
-batch = np.ones(20 << 20, np.float32)  # 80 MiB: a chunk larger than a thread arena heap
-emu = sinkax.backend.default_device()
-def put_and_free(times):
-    for _ in range(times):
-        jax.device_put(batch, emu).block_until_ready()  # freed at once
-def faults(times):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    put_and_free(times)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-def in_thread(times):
-    out = []
-    worker = threading.Thread(target=lambda: out.append(faults(times)))
-    worker.start(); worker.join()
-    return out[0]
-faults(10), in_thread(10)  # the heap grows to hold it (a few transfers)
-print(batch.nbytes // resource.getpagesize(), faults(20), in_thread(20))
-"""
-
-
-def test_transfers_to_the_emulated_device_reuse_its_memory():
-    """As a device's caching allocator does: a transfer into memory an earlier one freed costs
-    no page faults, in any thread (glibc maps a block larger than a thread arena's heap anew
-    each time: a fault per 4 KiB on every transfer)."""
-    env = {**os.environ, "SINKAX_PJRT": "counting"}
-    run = subprocess.run([sys.executable, "-c", REUSE], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    pages, main_thread, other_thread = map(int, run.stdout.split())
-    # without it every one of the 20 transfers maps its block anew; with it, a few at most
-    # (other allocations between them can take the freed block)
-    assert main_thread < 5 * pages and other_thread < 5 * pages
-
-
 def test_a_donating_call_returns_before_its_compute_ends(emu, counting):
     def slow(x):
         for _ in range(40):
