@@ -4,10 +4,17 @@ import contextlib
 import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ctrl_c_at_check, indexed_map_dataset
+from conftest import (
+    ctrl_c_at_check,
+    indexed_map_dataset,
+    init_state,
+    regression_batches,
+    train_step,
+)
 
 import sinkax
 
@@ -85,6 +92,39 @@ def test_exactly_once_across_a_stop_and_a_resume(sink_size):
     assert seen == batches[: len(seen)]  # every batch once, in order, the bad one included
 
 
+def regression_step(state, batch):
+    state, loss = train_step(state, batch)
+    return state, {"loss": loss}
+
+
+PROGRESS = {"progress": lambda steps, out: None, "progress_every": 3}
+
+
+@pytest.mark.parametrize("options", [{}, PROGRESS], ids=["plain", "progress"])
+def test_while_every_step_is_finite_a_guarded_sink_computes_what_a_plain_one_does(options):
+    batches = regression_batches(12)
+    results = []
+    for watch in (None, "loss" if options else True):
+        state, losses = init_state(), []
+        with sinkax.data_sink(
+            regression_step,
+            batches,
+            8,
+            strategy="scan",
+            stop_if_nonfinite=watch,
+            **options,
+        ) as sink:
+            for _ in range(3):
+                state, outs = sink(state)
+                losses += np.asarray(outs["loss"]).tolist()
+            assert sink.nonfinite is None and sink.step == 0 and sink.epoch == 2
+        results.append((jax.tree.leaves(state), losses))
+    (plain, plain_losses), (guarded, guarded_losses) = results
+    assert guarded_losses == plain_losses
+    for a, b in zip(plain, guarded, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_without_the_option_the_nonfinite_step_is_kept():
     dataset = indexed_map_dataset(16, 2)
     batches = samples_of(dataset, 8)
@@ -110,7 +150,7 @@ def test_a_stateless_sink_stops_too():
 
 @pytest.mark.parametrize(
     ("watch", "error", "match"),
-    [(3, TypeError, "stop_if_nonfinite must be True"), ("lost", KeyError, "'loss', 'index'")],
+    [(3, TypeError, "stop_if_nonfinite must be True"), ("lost", KeyError, "'index', 'loss'")],
 )
 def test_a_bad_watch_names_the_forms_or_the_entries(watch, error, match):
     dataset = indexed_map_dataset(8, 2)

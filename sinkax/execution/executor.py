@@ -32,7 +32,7 @@ from sinkax.config import SinkConfig
 from sinkax.execution import choice as strategies
 from sinkax.execution.auto import Auto
 from sinkax.execution.compiler import Compiler
-from sinkax.execution.guard import guarded, watcher
+from sinkax.execution.guard import Guarded, watcher
 from sinkax.execution.progress import Progress
 from sinkax.execution.stepfn import carry_dtypes, check_step_form, stateless, with_static
 from sinkax.execution.windowed import scan_window
@@ -163,7 +163,7 @@ class Executor:
                 self.compiler.specialise(static.key)
             self._step = fn
             if self._watch is not None:  # its executables are not the plain step's
-                fn = guarded(fn, self._watch)
+                fn = Guarded(fn, self._watch)
                 self.compiler.specialise(("stop_if_nonfinite", self._watch))
             output = (lambda out: out[0]) if self._watch is not None else (lambda out: out)
             report = self.progress.report(output) if self.progress else None

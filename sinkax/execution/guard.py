@@ -1,20 +1,25 @@
 """Stopping at the first non-finite step (``data_sink(..., stop_if_nonfinite=...)``).
 
-The step function is *guarded*: its carry gains a device flag ``ok``, and each step
+The step function is *guarded* (:class:`Guarded`): its carry gains a device flag ``ok``, and
+each step
 
 * checks the leaves it watches of its output (every floating leaf, the entry a name picks, or
   what a function returns) for NaN and infinity;
-* keeps the state from before the step once a step was not finite (a select per state leaf,
-  which XLA fuses into the update), for this step and every later step of the window, whose
-  results are discarded: no device branch, which a GPU would decide on the host each step;
+* keeps the state from before the step once a step was not finite (a select per state leaf),
+  for this step and every later step of the window, whose results are discarded;
 * adds the flag to its output, so that the host learns how many steps ran.
+
+A ``"scan"`` window does not pay the select per step (:meth:`Guarded.window`): it runs the
+plain step over the window, checks the outputs of all its steps at once, and only if one was
+not finite runs the window again from its start with the guarded step (one device branch per
+window, on a copy of the window's first state). The other programs run the guarded step.
 
 A window's host reads the final flag (one scalar, so it waits for the window); only after a
 stop does it count the steps that ran. Nothing of this runs unless asked for: an unguarded sink
 compiles the plain step.
 
 >>> import jax.numpy as jnp
->>> step = guarded(lambda s, b: (s + b, s + b), watcher(True))
+>>> step = Guarded(lambda s, b: (s + b, s + b), watcher(True))
 >>> (state, ok), (out, flag) = step((jnp.float32(1), jnp.bool_(True)), jnp.float32(jnp.nan))
 >>> float(state), bool(ok), bool(flag)
 (1.0, False, False)
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 from sinkax.execution.programs import StepFn
 
 Watch = bool | str | Callable[[Any], Any] | None
+Window = Callable[..., tuple[Any, Any, jax.Array]]  # (state, chunk, i) -> (state, outs, end)
 
 
 def watcher(watch: Watch) -> Callable[[Any], Any] | None:
@@ -60,7 +66,7 @@ def entry_of(name: str) -> Callable[[Any], Any]:
         try:
             return out[name]
         except (KeyError, TypeError, IndexError):
-            keys = list(out) if isinstance(out, dict) else type(out).__name__
+            keys = sorted(out) if isinstance(out, dict) else type(out).__name__
             raise KeyError(
                 f"stop_if_nonfinite={name!r} names an entry of the step's output, which has "
                 f"none such (it has {keys}). Name one of them, or pass True to check every "
@@ -80,18 +86,49 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
-def guarded(fn: StepFn, watch: Callable[[Any], Any]) -> StepFn:
+@dataclasses.dataclass(frozen=True)
+class Guarded:
     """``((state, ok), batch) -> ((state, ok), (out, ok))``: ``fn`` that, from the first step
-    whose watched output is not finite on, keeps its state and lowers ``ok``."""
+    whose watched output (``watch(out)``) is not finite on, keeps its state and lowers ``ok``."""
 
-    def step(carry: tuple[Any, jax.Array], batch: Any) -> tuple[Any, Any]:
+    fn: StepFn
+    watch: Callable[[Any], Any]
+
+    def __call__(self, carry: tuple[Any, jax.Array], batch: Any) -> tuple[Any, Any]:
         state, ok = carry
-        new, out = fn(state, batch)
-        ok = ok & all_finite(watch(out))
+        new, out = self.fn(state, batch)
+        ok = ok & all_finite(self.watch(out))
         state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
         return (state, ok), (out, ok)
 
-    return step
+    def window(self, program_of: Callable[[StepFn], Window]) -> Window:
+        """The window program that ``program_of(step)`` makes for this guarded step, run as
+        ``program_of(self.fn)`` -- the plain step -- unless a step of the window was not
+        finite (or ``ok`` was down already): then as ``program_of(self)`` from the window's
+        start. Same results as ``program_of(self)``, without a select per step.
+
+        >>> from sinkax.execution.programs import scan_program
+        >>> window = Guarded(lambda s, b: (s + b, s + b), watcher(True)).window(
+        ...     lambda step: scan_program(step, 3))
+        >>> chunk = jnp.array([1.0, jnp.inf, 1.0])
+        >>> (state, ok), (outs, flags), end = window((jnp.float32(0), jnp.bool_(True)), chunk, 0)
+        >>> float(state), flags.tolist(), int(end)
+        (1.0, [True, False, False], 3)
+        """
+        plain, checked = program_of(self.fn), program_of(self)
+
+        def run(carry: tuple[Any, jax.Array], chunk: Any, i: jax.Array) -> Any:
+            state, ok = carry
+            new, outs, end = plain(state, chunk, i)
+            flags = jax.vmap(lambda out: all_finite(self.watch(out)))(outs)
+            fine = ok & jnp.all(flags)
+            return jax.lax.cond(
+                fine,
+                lambda: ((new, fine), (outs, flags), end),
+                lambda: checked(carry, chunk, i),
+            )
+
+        return run
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ import numpy as np
 from sinkax import placement
 from sinkax.backend import Backend, backend_of
 from sinkax.execution.compiler import Compiler
+from sinkax.execution.guard import Guarded
 from sinkax.execution.programs import (
     StepFn,
     out_shape,
@@ -62,7 +63,10 @@ def loop_body(fn: StepFn, backend: Backend) -> StepFn:
 
 def scan_window(fn: StepFn, backend: Backend, steps: int) -> Any:
     """The program of a ``"scan"`` window of ``steps`` on ``backend``: ``(state, chunk, i) ->
-    (state, outs)``."""
+    (state, outs, end)``; a guarded step (``stop_if_nonfinite``) runs unguarded unless a step of
+    the window was not finite (:meth:`~sinkax.execution.guard.Guarded.window`)."""
+    if isinstance(fn, Guarded):
+        return fn.window(lambda step: scan_program(loop_body(step, backend), steps))
     return scan_program(loop_body(fn, backend), steps)
 
 
@@ -169,8 +173,12 @@ class Scan(Windowed):
             backend = backend_of(placement.of(chunk))
             if self._report is None:
                 run = scan_window(self._fn, backend, steps)
-            else:
-                run = reporting_scan_program(loop_body(self._fn, backend), steps, *self._report[1:])
+            else:  # each block of `every` steps reports once, the guard's re-run included
+
+                def block(step: StepFn, n: int) -> Any:
+                    return scan_window(step, backend, n)
+
+                run = reporting_scan_program(self._fn, steps, *self._report[1:], window=block)
             return keeping_shardings(run, state)
 
         variant = None if self._report is None else self._report[:2]
