@@ -19,10 +19,13 @@ the next. Parts:
                sinkax loops at sink sizes 1, 10, 100, 1000 and one epoch, with the targets
   plugin       sinkax's PJRT plugin built here and loaded over jax's CUDA plugin, counting
                host-device interactions (benchmarks/gpu_plugin.py; needs pjrt_c_api.h)
+  profile-mlp  where the MLP sinks' host time goes, per thread, beside the rates that bound
+               them: with a step that does nothing, over one chunk on the device, with the
+               data prepared ahead (benchmarks/host_profile.py)
 
 Files under $OUT (default ./gpu_check_out): summary.txt, env.txt, tests.log, bench.log,
-gpu_sink_sizes.json, gpu_sink_sizes.png, plugin.log. The summary table is printed last. The exit
-status is 0 whatever the parts did (2 for bad arguments): read the summary.
+gpu_sink_sizes.json, gpu_sink_sizes.png, plugin.log, profile.log. The summary table is printed
+last. The exit status is 0 whatever the parts did (2 for bad arguments): read the summary.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ LIMITS = {
     "bench-lenet": (80, 150),
     "bench-transformer": (130, 150),
     "plugin": (35, 60),
+    "profile-mlp": (60, 90),
 }
 BUDGET_S = 420  # --budget's default, on a GPU and in the dry run
 
@@ -273,6 +277,13 @@ class Check:
         last_line = lambda text: " ".join(text.strip().splitlines()[-1:])[:100]  # noqa: E731
         self.run("plugin", argv, "plugin.log", last_line)
 
+    def profile(self) -> None:
+        sizes = ["10"] if self.dry_run else ["10", "100", "1000"]
+        steps = "200" if self.dry_run else "20000"
+        argv = [sys.executable, os.path.join(BENCH, "host_profile.py"), "mlp", "--sizes", *sizes]
+        rates = lambda text: "; ".join(re.findall(r"sink \d+: \d+ steps/s", text))  # noqa: E731
+        self.run("profile-mlp", [*argv, "--steps", steps], "profile.log", rates)
+
 
 def summarize(outcomes: list[Outcome], dry_run: bool, seconds: float) -> str:
     """The summary table: one line per part, the GPU or dry run named first."""
@@ -304,7 +315,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
-    for name in ("env.txt", "tests.log", "bench.log", "plugin.log"):
+    for name in ("env.txt", "tests.log", "bench.log", "plugin.log", "profile.log"):
         open(os.path.join(args.out, name), "w").close()
     check = Check(args.out, args.budget or BUDGET_S, args.dry_run, args.skip)
     check.setup()
@@ -314,6 +325,7 @@ def main(argv=None) -> int:
     check.tests()
     check.benchmarks()
     check.plugin()
+    check.profile()
     summary = summarize(check.outcomes, check.dry_run, time.monotonic() - started)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write(summary + "\n")

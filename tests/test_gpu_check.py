@@ -28,7 +28,8 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert "DRY RUN" in summary.splitlines()[0]
     parts = {line.split()[0]: line.split()[1] for line in summary.splitlines()[1:]}
     benchmarks = {f"bench-{w}" for w in ("mlp", "lenet", "transformer")}
-    assert set(parts) - {"wheels"} == {"imports", "env", "tests", "plugin", *benchmarks}
+    expected = {"imports", "env", "tests", "plugin", "profile-mlp", *benchmarks}
+    assert set(parts) - {"wheels"} == expected
     assert set(parts.values()) == {"PASS"}, summary
     results = json.loads((tmp_path / "gpu_sink_sizes.json").read_text())
     assert results["dry_run"] and set(results["workloads"]) == {"mlp", "lenet", "transformer"}
@@ -38,4 +39,7 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert (tmp_path / "gpu_sink_sizes.png").stat().st_size > 0
     summary = (tmp_path / "tests.log").read_text().strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ skipped in [\d.]+s", summary)  # tests/test_gpu.py: no GPU here
+    profile = (tmp_path / "profile.log").read_text()
+    assert re.search(r"sink 10: \d+ steps/s; idle step \d+; device windows \d+", profile)
+    assert "thread sinkax-producer" in profile and "thread MainThread" in profile
     assert len(list(tmp_path.iterdir())) <= 8  # what comes back from a device machine
