@@ -3,7 +3,9 @@
 For each sink size: steps/s of the sink, of a sink of the same data whose step does nothing (the
 data path's own ceiling: read, stage, transfer), of the hand-written window loop over one chunk
 already on the device (``lax.scan`` of ``size`` steps from a device position: what a sink call
-computes, without its data path), and the sink's ``data_wait_s``/``slot_wait_s``. Then the
+computes, without its data path), of the sink timed once its producer had 2 s to prepare
+``prefetch`` chunks ahead ("data prepared ahead": its calls' own cost, the data path out of the
+way), and the sink's ``data_wait_s``/``slot_wait_s``. Then the
 frames the main thread and the producer thread were in, sampled every millisecond while the
 sink ran (the innermost frame inside sinkax, jax or numpy; ``other`` elsewhere).
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -68,7 +71,8 @@ class Sampler:
 
 def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False):
     """Steps/s of a new sink over ``calls`` timed calls, its stats, and the sampler; with
-    ``prefilled``, the timing starts once the producer has filled every free slot."""
+    ``prefilled``, the timing starts 2 s after the warm calls: time for the producer to fill
+    its free slots (``prefetch`` chunks) first."""
     state = fresh(w.init())
     with sinkax.data_sink(step, w.batches, size, strategy="scan", prefetch=prefetch) as sink:
         for _ in range(3):
@@ -78,20 +82,12 @@ def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False):
             time.sleep(2.0)
         sampler = Sampler() if sample else None
         t0 = time.perf_counter()
-        with sampler or _nothing():
+        with sampler or contextlib.nullcontext():
             for _ in range(calls):
                 state, metrics = sink(state)
             jax.block_until_ready(metrics)
         seconds = time.perf_counter() - t0
         return calls * size / seconds, sink.stats, sampler
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def window_rate(w, size, calls):
