@@ -47,7 +47,9 @@ def test_growth_is_bounded_per_call_and_by_the_epoch():
         sizer.ended(sizer.target, measure=True)
         targets.append(sizer.target)
     assert targets == [1, 8, 64, 512, 3000, 3000]
-    assert sizer.granule() == 256  # a power of two, at most an eighth of the target
+    assert sizer.granule() == 3000  # the whole epoch: each call is one window
+    sizer.target = 2999
+    assert sizer.granule() == 256  # else a power of two, at most an eighth of the target
 
 
 def test_a_call_ends_at_its_target_or_at_an_epochs_end():
@@ -93,8 +95,9 @@ def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
         assert sorted(samples[400 * epoch : 400 * (epoch + 1)]) == list(range(400))
     assert saved["call_steps"] == 200
     with sinkax.data_sink(collect_index, dataset, "auto", data_state=saved) as sink:
-        sink(jnp.int32(0))  # the resumed sink starts at the size the saved one reached
-        assert sink.stats.call_sizes == (200,)
+        for _ in range(2):  # the resumed sink starts at the size the saved one reached,
+            sink(jnp.int32(0))  # the whole epoch: each call one window, as sink_size=-1
+        assert sink.stats.call_sizes == (200, 200) and sink.stats.dispatches == 2
 
 
 def test_total_steps_ends_the_last_call_there_and_reads_nothing_past_it(monkeypatch):

@@ -4,11 +4,13 @@ The producer plans an auto sink's data as *granules*, small calls of a power of 
 (:meth:`CallSizer.granule`; a granule never crosses an epoch's end), and a call takes whole
 granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end.
 A granule is one window of the strategy, so the executables are those of a few powers of two,
-shared by every call size. After each call the target follows the call's measured rate:
-``call_seconds`` times the steps per second between the ends of the last two calls, at most
-:data:`GROWTH` times the last target and at least a :data:`GROWTH`-th of it, never over an
-epoch; a call that compiled is not measured. The granule follows the target (an
-:data:`GRANULES`-th of it), lagging by the chunks the producer has read ahead.
+shared by every call size; once the target is the whole epoch (calls that an epoch's end cuts
+short of ``call_seconds``), the granule is the epoch: each call one window. After each call
+the target follows the call's measured rate: ``call_seconds`` times the steps per second
+between the ends of the last two calls, at most :data:`GROWTH` times the last target and at
+least a :data:`GROWTH`-th of it, never over an epoch; a call that compiled is not measured.
+The granule follows the target (an :data:`GRANULES`-th of it), lagging by the chunks the
+producer has read ahead.
 
 The target is part of the data position (``DataPosition.call_steps``): a resumed sink starts
 at the size the saved one had reached, not small again. With ``total_steps`` (the steps the
@@ -24,6 +26,9 @@ whatever its target: nothing is read past it.
 64
 >>> sizer.measured(steps=64, seconds=0.64); sizer.target, sizer.granule()
 (100, 8)
+>>> epoch_bound = CallSizer(call_seconds=1.0, epoch_length=50, target=50)
+>>> epoch_bound.granule()
+50
 """
 
 from __future__ import annotations
@@ -107,7 +112,10 @@ class CallSizer:
 
     def granule(self) -> int:
         """Steps of the next granule the producer plans: the largest power of two at most an
-        :data:`GRANULES`-th of the target."""
+        :data:`GRANULES`-th of the target; a target of the whole epoch, the epoch (each call
+        the rest of one epoch, one window, as ``sink_size=-1`` runs it)."""
+        if self.target == self.epoch_length:
+            return self.target
         return 1 << max(0, (self.target // GRANULES).bit_length() - 1)
 
     def measured(self, steps: int, seconds: float) -> None:
