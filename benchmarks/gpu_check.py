@@ -21,7 +21,8 @@ the next. Parts:
                host-device interactions (benchmarks/gpu_plugin.py; needs pjrt_c_api.h)
   profile-mlp  where the MLP sinks' host time goes, per thread, beside the rates that bound
                them: with a step that does nothing, over one chunk on the device, with the
-               data prepared ahead (benchmarks/host_profile.py)
+               data prepared ahead; and whether a window's launch waits for its chunk's
+               transfer (benchmarks/host_profile.py)
 
 Files under $OUT (default ./gpu_check_out): summary.txt, env.txt, tests.log, bench.log,
 gpu_sink_sizes.json, gpu_sink_sizes.png, plugin.log, profile.log. The summary table is printed

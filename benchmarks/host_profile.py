@@ -5,7 +5,9 @@ data path's own ceiling: read, stage, transfer), of the hand-written window loop
 already on the device (``lax.scan`` of ``size`` steps from a device position: what a sink call
 computes, without its data path), of the sink timed once its producer had 2 s to prepare
 ``prefetch`` chunks ahead ("data prepared ahead": its calls' own cost, the data path out of the
-way), and the sink's ``data_wait_s``/``slot_wait_s``. Then the
+way), and the sink's ``data_wait_s``/``slot_wait_s``; how long such a window's call takes to
+return made at once after its chunk's ``device_put`` and once the chunk is there (whether a
+launch waits for a transfer in flight). Then the
 frames the main thread and the producer thread were in, sampled every millisecond while the
 sink ran (the innermost frame inside sinkax, jax or numpy; ``other`` elsewhere).
 
@@ -18,6 +20,7 @@ import argparse
 import collections
 import contextlib
 import os
+import statistics
 import sys
 import threading
 import time
@@ -90,19 +93,29 @@ def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False):
         return calls * size / seconds, sink.stats, sampler
 
 
-def window_rate(w, size, calls):
-    """Steps/s of ``lax.scan`` windows of ``size`` steps over one chunk already on the device."""
-    chunk_steps = max(size, 100)
-    batches = [w.batches[i % len(w.batches)] for i in range(chunk_steps)]
-    chunk = jax.device_put(jax.tree.map(lambda *x: np.stack(x), *batches))
+def host_chunk(w, size):
+    """A chunk of ``max(size, 100)`` batches, stacked on the host."""
+    batches = [w.batches[i % len(w.batches)] for i in range(max(size, 100))]
+    return jax.tree.map(lambda *x: np.stack(x), *batches)
+
+
+def window_program(w, size, chunk_steps):
+    """Jitted ``(state, chunk, i) -> (state, outs, next i)``: ``lax.scan`` of ``size`` steps
+    from position ``i`` of a chunk of ``chunk_steps`` batches; and its first carry."""
 
     def window(state, chunk, i):
         part = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, size), chunk)
         state, outs = jax.lax.scan(w.step, state, part)
         return state, outs, (i + size) % chunk_steps
 
-    run = jax.jit(window, donate_argnums=0)
-    state, i = fresh(w.init()), jax.device_put(np.int32(0))
+    return jax.jit(window, donate_argnums=0), (fresh(w.init()), jax.device_put(np.int32(0)))
+
+
+def window_rate(w, size, calls):
+    """Steps/s of ``lax.scan`` windows of ``size`` steps over one chunk already on the device."""
+    host = host_chunk(w, size)
+    chunk = jax.device_put(host)
+    run, (state, i) = window_program(w, size, len(jax.tree.leaves(host)[0]))
     state, outs, i = run(state, chunk, i)
     jax.block_until_ready(outs)
     t0 = time.perf_counter()
@@ -110,6 +123,25 @@ def window_rate(w, size, calls):
         state, outs, i = run(state, chunk, i)
     jax.block_until_ready(outs)
     return calls * size / (time.perf_counter() - t0)
+
+
+def call_after_put(w, size, calls=20):
+    """Median seconds a window's call takes to return when made at once after its chunk's
+    ``device_put``, and when made once that chunk is on the device: whether a launch waits for
+    a transfer still in flight, as a sink's first call on a chunk just put may."""
+    host = host_chunk(w, size)
+    run, (state, i) = window_program(w, size, len(jax.tree.leaves(host)[0]))
+    seconds = {False: [], True: []}
+    for landed in (False, True, False, True):
+        for _ in range(calls):
+            chunk = jax.device_put(host)
+            if landed:
+                jax.block_until_ready(chunk)
+            t0 = time.perf_counter()
+            state, outs, i = run(state, chunk, i)
+            seconds[landed].append(time.perf_counter() - t0)
+            jax.block_until_ready(outs)
+    return statistics.median(seconds[False][1:]), statistics.median(seconds[True])
 
 
 def main(argv=None):
@@ -133,11 +165,13 @@ def main(argv=None):
         prefetch = min(16, max(2, 1024 // size))  # chunks of at least 64 steps
         ahead = max(2, prefetch * 64 // size)  # calls that the prepared chunks hold
         filled, _, _ = sink_rate(w.step, w, size, ahead, prefetch=prefetch, prefilled=True)
+        in_flight, landed = call_after_put(w, size)
         print(
             f"\nsink {size}: {rate:.0f} steps/s; idle step {idle_rate:.0f}; device windows "
             f"{bound:.0f}; data prepared ahead {filled:.0f}; data_wait_s "
             f"{stats.data_wait_s:.3f} slot_wait_s {stats.slot_wait_s:.3f} chunks "
-            f"{stats.chunks_transferred}"
+            f"{stats.chunks_transferred}\n  window call returns after {in_flight * 1e6:.0f} us "
+            f"just after its chunk's device_put, {landed * 1e6:.0f} us once the chunk is there"
         )
         for thread, counts in sampler.counts.items():
             total = sum(counts.values())
