@@ -150,10 +150,16 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def save(name: str, payload: dict[str, Any], draw: Callable[[Any], Any] | None = None) -> None:
-    """Write ``results/<name>.json`` and, with ``draw(pyplot) -> figure``, ``<name>.png``."""
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"{name}.json")
+def save(
+    name: str,
+    payload: dict[str, Any],
+    draw: Callable[[Any], Any] | None = None,
+    folder: str = RESULTS,
+) -> None:
+    """Write ``<folder>/<name>.json`` (default ``results/``) and, with ``draw(pyplot) ->
+    figure``, ``<name>.png``."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.json")
     with open(path, "w") as f:
         json.dump({"machine": machine(), **payload}, f, indent=2)
     if draw is not None:

@@ -19,14 +19,16 @@ the next. Parts:
                sinkax loops at sink sizes 1, 10, 100, 1000 and one epoch, with the targets
   plugin       sinkax's PJRT plugin built here and loaded over jax's CUDA plugin, counting
                host-device interactions (benchmarks/gpu_plugin.py; needs pjrt_c_api.h)
+  live-mlp     what stop_if_nonfinite and progress= cost the MLP at sink size 1000, and a
+               jax.debug.callback in a hand-written scan (benchmarks/live_costs.py)
   profile-mlp  where the MLP sinks' host time goes, per thread, beside the rates that bound
                them: with a step that does nothing, over one chunk on the device, with the
                data prepared ahead; and whether a window's launch waits for its chunk's
                transfer (benchmarks/host_profile.py)
 
 Files under $OUT (default ./gpu_check_out): summary.txt, env.txt, tests.log, bench.log,
-gpu_sink_sizes.json, gpu_sink_sizes.png, plugin.log, profile.log. The summary table is printed
-last. The exit status is 0 whatever the parts did (2 for bad arguments): read the summary.
+gpu_sink_sizes.json, gpu_sink_sizes.png (bench.log has live-mlp's table too), plugin.log,
+profile.log. The summary table is printed last. The exit status is 0 whatever the parts did (2 for bad arguments): read the summary.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ LIMITS = {
     "bench-lenet": (80, 150),
     "bench-transformer": (130, 150),
     "plugin": (35, 60),
+    "live-mlp": (60, 120),
     "profile-mlp": (60, 90),
 }
 BUDGET_S = 420  # --budget's default, on a GPU and in the dry run
@@ -278,6 +281,16 @@ class Check:
         last_line = lambda text: " ".join(text.strip().splitlines()[-1:])[:100]  # noqa: E731
         self.run("plugin", argv, "plugin.log", last_line)
 
+    def live(self) -> None:
+        """The live-sink costs, their table into bench.log (its JSON is not kept: at most 8
+        files come back from a device machine)."""
+        smoke = ["--steps", "200", "--repeats", "1", "--sink-size", "100"]
+        verdicts = lambda text: "; ".join(re.findall(r"(?:PASS|MISS|----) .*?: [\d.]+x", text))  # noqa: E731
+        with tempfile.TemporaryDirectory() as folder:
+            argv = [sys.executable, os.path.join(BENCH, "live_costs.py"), "--out-dir", folder]
+            argv += smoke if self.dry_run else ["--device", "gpu", "--repeats", "7"]
+            self.run("live-mlp", argv, "bench.log", verdicts)
+
     def profile(self) -> None:
         sizes = ["10"] if self.dry_run else ["10", "100", "1000"]
         steps = "200" if self.dry_run else "20000"
@@ -326,6 +339,7 @@ def main(argv=None) -> int:
     check.tests()
     check.benchmarks()
     check.plugin()
+    check.live()
     check.profile()
     summary = summarize(check.outcomes, check.dry_run, time.monotonic() - started)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
