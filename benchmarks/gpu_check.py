@@ -28,7 +28,8 @@ the next. Parts:
 
 Files under $OUT (default ./gpu_check_out): summary.txt, env.txt, tests.log, bench.log,
 gpu_sink_sizes.json, gpu_sink_sizes.png (bench.log has live-mlp's table too), plugin.log,
-profile.log. The summary table is printed last. The exit status is 0 whatever the parts did (2 for bad arguments): read the summary.
+profile.log. The summary table is printed last. The exit status is 0 whatever the parts did (2
+for bad arguments): read the summary.
 """
 
 from __future__ import annotations
