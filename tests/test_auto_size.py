@@ -22,21 +22,26 @@ from sinkax.channel.source import Position
 MID_EPOCH = Position(0, 5)
 
 
-def test_the_target_follows_the_measured_rate_within_bounds():
-    clock = iter([0.0, 1.0, 1.1, 1.2, 3.2, 3.3])
-    sizer = sizing.CallSizer(call_seconds=0.5, epoch_length=1000, clock=lambda: next(clock))
-    sizer.ended(1, measure=True)  # the first call: nothing to measure from
-    assert sizer.target == 1
-    sizer.ended(1, measure=True)  # 1 step in 1 s: 0.5 steps per call, at least 1
-    assert sizer.target == 1
-    sizer.ended(1, measure=True)  # 10 steps/s: 5, within GROWTH
-    assert sizer.target == 5
-    sizer.ended(5, measure=False)  # it compiled: not measured
-    assert sizer.target == 5
-    sizer.ended(5, measure=True)  # 2.5 steps/s: 1.25 -> 1
-    assert sizer.target == 1
-    sizer.ended(1, measure=True)  # 10 steps/s again
-    assert sizer.target == 5 and list(sizer.sizes) == [1, 1, 1, 5, 5, 1]
+def test_the_target_follows_the_rate_of_the_last_calls_from_start_to_start():
+    starts = iter([0.0, 0.1, 0.2, 1.0, 2.0, 5.0, 5.5])  # the clock when each call starts
+    sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=1000, clock=lambda: next(starts))
+    targets = []
+
+    def call(measure=True, ends=True):
+        sizer.started()
+        targets.append(sizer.target)
+        if ends:
+            sizer.ended(sizer.target, measure)
+
+    call()  # nothing to measure yet: 1
+    call()  # 1 step from 0.0 to 0.1: 10 steps/s, at most GROWTH x: 8
+    call(measure=False)  # the last two calls, 9 steps in 0.2 s: 45; this one compiles
+    call()  # the last call compiled: neither it nor those before count, 45 again
+    call(ends=False)  # 45 steps from 1.0 to 2.0: 45; this one fails
+    call()  # the last call failed: 45 again
+    call()  # 45 steps from 5.0 to 5.5 (the failed call does not count): 90
+    assert targets == [1, 8, 45, 45, 45, 45, 90]
+    assert list(sizer.sizes) == [1, 8, 45, 45, 45, 90]  # the failed call never ended
 
 
 def test_growth_is_bounded_per_call_and_by_the_epoch():
@@ -44,8 +49,9 @@ def test_growth_is_bounded_per_call_and_by_the_epoch():
     sizer = sizing.CallSizer(call_seconds=10.0, epoch_length=3000, clock=lambda: next(clock))
     targets = []
     for _ in range(6):
-        sizer.ended(sizer.target, measure=True)
+        sizer.started()
         targets.append(sizer.target)
+        sizer.ended(sizer.target, measure=True)
     assert targets == [1, 8, 64, 512, 3000, 3000]
     assert sizer.granule() == 3000  # the whole epoch: each call is one window
     sizer.target = 2999

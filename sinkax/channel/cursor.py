@@ -155,8 +155,9 @@ class Cursor:
 
     def begin(self) -> None:
         """A call starts (its time, less its wait for data, is the sink's busy time)."""
-        self._call_started = (time.perf_counter(), self.data_wait_s)
-        self._call_steps = 0
+        self._call_started, self._call_steps = (time.perf_counter(), self.data_wait_s), 0
+        if self.sizer:
+            self.sizer.started()
 
     def next_piece(self, agree: Agree = _now) -> tuple[Any, Piece, int]:
         """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.

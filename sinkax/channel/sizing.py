@@ -5,12 +5,14 @@ The producer plans an auto sink's data as *granules*, small calls of a power of 
 granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end.
 A granule is one window of the strategy, so the executables are those of a few powers of two,
 shared by every call size; once the target is the whole epoch (calls that an epoch's end cuts
-short of ``call_seconds``), the granule is the epoch: each call one window. After each call
-the target follows the call's measured rate: ``call_seconds`` times the steps per second
-between the ends of the last two calls, at most :data:`GROWTH` times the last target and at
-least a :data:`GROWTH`-th of it, never over an epoch; a call that compiled is not measured.
-The granule follows the target (an :data:`GRANULES`-th of it), lagging by the chunks the
-producer has read ahead.
+short of ``call_seconds``), the granule is the epoch: each call one window. When a call
+starts, its target follows the measured rate of the last :data:`WINDOW` calls: ``call_seconds``
+times their steps per second from the first one's start to this one's (so a caller that waits
+for each call's results times each call whole, its compute included, whatever the device
+still ran when it returned), at most :data:`GROWTH` times the last target and at least a
+:data:`GROWTH`-th of it, never over an epoch; a call that compiled, failed or stopped early
+is not measured, nor the calls before it. The granule follows the target (an
+:data:`GRANULES`-th of it), lagging by the chunks the producer has read ahead.
 
 The target is part of the data position (``DataPosition.call_steps``): a resumed sink starts
 at the size the saved one had reached, not small again. With ``total_steps`` (the steps the
@@ -34,6 +36,7 @@ whatever its target: nothing is read past it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import numbers
 import time
 from collections.abc import Callable
@@ -43,6 +46,7 @@ from sinkax.channel.position import DataPosition
 from sinkax.channel.source import Position
 
 GROWTH = 8  # a call's target grows or shrinks at most this much per call
+WINDOW = 2  # the calls a rate is measured over (more: steadier, slower to follow)
 GRANULES = 8  # a call of the target holds at least this many granules (but for the first)
 KEPT_SIZES = 64  # the sizes of the last calls that Sink.stats shows
 now = time.perf_counter  # what a sizer times calls with, unless given a clock
@@ -80,10 +84,11 @@ class CallSizer:
         self.target = self._bounded(target)
         self.sizes: collections.deque[int] = collections.deque(maxlen=KEPT_SIZES)
         self._clock = clock or now
-        self._last_end: float | None = None  # when the last call ended
+        self._calls: collections.deque[_Call] = collections.deque(maxlen=WINDOW)  # the latest
 
     def restore(self, data_state: DataPosition) -> None:
         """Continue at the target a saved position recorded, if it has one."""
+        self._calls.clear()  # the time since the last call is the rewind's, not a call's
         if data_state.call_steps is not None:
             self.target = self._bounded(data_state.call_steps)
 
@@ -96,13 +101,24 @@ class CallSizer:
         granule) ends there: it holds its target, an epoch ended, or the sink's steps did."""
         return steps >= self.target or position.step == 0 or steps == self.steps_left()
 
-    def ended(self, steps: int, measure: bool) -> None:
-        """A call of ``steps`` ended; ``measure``: it ran as every call does (it compiled
-        nothing, and ran whole) -- then its time since the last call ended sets the target."""
+    def started(self) -> None:
+        """A call starts: the latest calls, timed from the first one's start to now, set its
+        target (those after the last that is not to be measured)."""
         now = self._clock()
-        if measure and self._last_end is not None:
-            self.measured(steps, now - self._last_end)
-        self._last_end = now
+        timed: list[_Call] = []
+        for call in reversed(self._calls):
+            if not call.measure:  # it compiled, stopped early, or failed (it never ended)
+                break
+            timed.append(call)
+        if timed:
+            self.measured(sum(call.steps for call in timed), now - timed[-1].start)
+        self._calls.append(_Call(now))
+
+    def ended(self, steps: int, measure: bool) -> None:
+        """The call :meth:`started` last ran ``steps``; ``measure``: it ran as every call does
+        (it compiled nothing, and ran whole) -- then the next calls' targets count it."""
+        if self._calls:
+            self._calls[-1].steps, self._calls[-1].measure = steps, measure
         self.sizes.append(steps)
         self.done += steps
 
@@ -123,3 +139,13 @@ class CallSizer:
         rate = steps / max(seconds, 1e-9)
         wanted = self.call_seconds * rate
         self.target = self._bounded(min(max(wanted, self.target / GROWTH), self.target * GROWTH))
+
+
+@dataclasses.dataclass
+class _Call:
+    """A call as a sizer times it: when it started, its steps once it ended, and whether it
+    counts for the target."""
+
+    start: float
+    steps: int = 0
+    measure: bool = False
