@@ -117,8 +117,7 @@ class CallSizer:
     def ended(self, steps: int, measure: bool) -> None:
         """The call :meth:`started` last ran ``steps``; ``measure``: it ran as every call does
         (it compiled nothing, and ran whole) -- then the next calls' targets count it."""
-        if self._calls:
-            self._calls[-1].steps, self._calls[-1].measure = steps, measure
+        self._calls[-1].steps, self._calls[-1].measure = steps, measure
         self.sizes.append(steps)
         self.done += steps
 

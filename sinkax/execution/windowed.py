@@ -174,11 +174,12 @@ class Scan(Windowed):
             if self._report is None:
                 run = scan_window(self._fn, backend, steps)
             else:  # each block of `every` steps reports once, the guard's re-run included
-
-                def block(step: StepFn, n: int) -> Any:
-                    return scan_window(step, backend, n)
-
-                run = reporting_scan_program(self._fn, steps, *self._report[1:], window=block)
+                run = reporting_scan_program(
+                    self._fn,
+                    steps,
+                    *self._report[1:],
+                    window=lambda step, n: scan_window(step, backend, n),
+                )
             return keeping_shardings(run, state)
 
         variant = None if self._report is None else self._report[:2]
