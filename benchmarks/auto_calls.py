@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+import grain
 import jax
 from _common import fresh, machine, save, table, workload
 
@@ -31,15 +32,9 @@ TOLERANCE = 0.3  # a call within +-30 % of call_seconds
 SETTLING = 3  # the first calls, not held to it
 
 
-class Endless:
+def endless(batches) -> grain.MapDataset:
     """``batches`` over and over, of no known length: every call runs to its target."""
-
-    def __init__(self, batches):
-        self.batches = batches
-
-    def __iter__(self):
-        while True:
-            yield from self.batches
+    return grain.MapDataset.source(batches).repeat(None)
 
 
 def timed_calls(w, target: float, calls: int, data_state=None) -> dict:
@@ -47,7 +42,7 @@ def timed_calls(w, target: float, calls: int, data_state=None) -> dict:
     one's seconds, the sizes, the calls that compiled and the sink's data position after."""
     state, seconds, compiled = fresh(w.init()), [], []
     options = {"call_seconds": target, "data_state": data_state}
-    with sinkax.data_sink(w.step, Endless(w.batches), "auto", **options) as sink:
+    with sinkax.data_sink(w.step, endless(w.batches), "auto", **options) as sink:
         for call in range(calls):
             compiles = sink.stats.compiles
             t0 = time.perf_counter()

@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import jax
-import numpy as np
-from _common import RESULTS, fresh, machine, save, table, workload
-from sink_sizes import sinkax_run
+from _common import RESULTS, machine, median_rate, save, table, workload
+from sink_sizes import device_scan, sinkax_run
 
 MODES = {
     "plain": {},
@@ -42,12 +40,10 @@ HAND = {"hand scan": None, f"hand scan, jax.debug.callback every {EVERY}": EVERY
 TARGET = 0.97  # at most 3 % slower than plain
 
 
-def hand_scan(w, steps: int, sink_size: int, every: int | None):
-    """``run()`` timing jitted ``lax.scan`` windows of ``sink_size`` steps over one chunk
-    already on the device, for about ``steps`` steps; with ``every``, in blocks of ``every``
-    steps, each ending with ``jax.debug.callback`` of its last output (as a reporting sink
-    window does, without the sink)."""
-    chunk = jax.device_put(jax.tree.map(lambda *x: np.stack(x), *w.batches[:sink_size]))
+def reporting(w, every: int):
+    """A window over a chunk in blocks of ``every`` steps, each ending with
+    ``jax.debug.callback`` of its last output (as a reporting sink window does, without the
+    sink)."""
 
     def block(state, part):
         state, outs = jax.lax.scan(w.step, state, part)
@@ -55,37 +51,23 @@ def hand_scan(w, steps: int, sink_size: int, every: int | None):
         return state, outs
 
     def window(state, chunk):
-        if every is None:
-            return jax.lax.scan(w.step, state, chunk)
         blocks = jax.tree.map(lambda x: x.reshape(-1, every, *x.shape[1:]), chunk)
         return jax.lax.scan(block, state, blocks)
 
-    scan = jax.jit(window, donate_argnums=0)
-    state = jax.block_until_ready(scan(fresh(w.init()), chunk)[0])
-    calls = max(2, steps // sink_size)
-
-    def run():
-        nonlocal state
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            state, outs = scan(state, chunk)
-        jax.block_until_ready(outs)
-        return calls * sink_size, time.perf_counter() - t0, calls * sink_size
-
-    return run
+    return window
 
 
 def measure(name: str, steps: int, sink_size: int, repeats: int) -> list[dict]:
     """Steps/s of each mode, its runs interleaved with the others'; ``x base`` against the
     same sink without the option, or the same hand-written scan without the callback."""
-    w = workload(name, max(sink_size, 250))
+    w = workload(name, max(sink_size, 3 * EVERY))  # the hand-written scans run an epoch a call
     runs = {mode: sinkax_run(w, steps, sink_size, "scan", **o)[0] for mode, o in MODES.items()}
-    runs.update({mode: hand_scan(w, steps, sink_size, every) for mode, every in HAND.items()})
+    for mode, every in HAND.items():
+        runs[mode] = device_scan(w, steps, every and reporting(w, every))
     rates: dict[str, list[float]] = {mode: [] for mode in runs}
     for _ in range(repeats):
         for mode, run in runs.items():
-            done, seconds, _ = run()  # the timed steps, their seconds, all steps
-            rates[mode].append(done / seconds)
+            rates[mode].append(median_rate(run, 1))
     rows = []
     for mode, r in rates.items():
         base = "hand scan" if mode in HAND else "plain"

@@ -121,10 +121,11 @@ def device_step(w, steps):
     return run
 
 
-def device_scan(w, steps):
-    """``lax.scan`` over an epoch already on the device: the bound of ``"scan"``."""
+def device_scan(w, steps, window=None):
+    """``lax.scan`` over an epoch already on the device: the bound of ``"scan"``; or, given,
+    ``window(state, epoch) -> (state, outs)`` over it instead."""
     stacked = jax.device_put(jax.tree.map(lambda *x: jax.numpy.stack(x), *w.batches))
-    scan = jax.jit(lambda s, c: jax.lax.scan(w.step, s, c), donate_argnums=0)
+    scan = jax.jit(window or (lambda s, c: jax.lax.scan(w.step, s, c)), donate_argnums=0)
     state = jax.block_until_ready(scan(fresh(w.init()), stacked)[0])
     calls = max(1, steps // len(w.batches))
 
