@@ -1,15 +1,15 @@
 """Where a sink's host time goes, per thread, beside the rates that bound it (one workload).
 
-For each sink size: steps/s of the sink, of a sink of the same data whose step does nothing (the
-data path's own ceiling: read, stage, transfer), of the hand-written window loop over one chunk
-already on the device (``lax.scan`` of ``size`` steps from a device position: what a sink call
-computes, without its data path), of the sink timed once its producer had 2 s to prepare
-``prefetch`` chunks ahead ("data prepared ahead": its calls' own cost, the data path out of the
-way), and the sink's ``data_wait_s``/``slot_wait_s``; how long such a window's call takes to
-return made at once after its chunk's ``device_put`` and once the chunk is there (whether a
-launch waits for a transfer in flight). Then the
-frames the main thread and the producer thread were in, sampled every millisecond while the
-sink ran (the innermost frame inside sinkax, jax or numpy; ``other`` elsewhere).
+For each sink size: steps/s of the sink, of a sink of the same data whose step does nothing
+(the data path's own ceiling: read, stage, transfer; also with ``pin_memory=False``), of the
+hand-written window loop over one chunk already on the device (``lax.scan`` of ``size`` steps
+from a device position: what a sink call computes, without its data path), of the sink timed
+once its producer had 2 s to prepare ``prefetch`` chunks ahead ("data prepared ahead": its
+calls' own cost, the data path out of the way), and the sink's ``data_wait_s``/``slot_wait_s``;
+how long such a window's call takes to return made at once after its chunk's ``device_put`` and
+once the chunk is there (whether a launch waits for a transfer in flight). Then the frames the
+main thread and the producer thread were in, sampled every millisecond while the sink ran (the
+innermost frame inside sinkax, jax or numpy; ``other`` elsewhere).
 
     python benchmarks/host_profile.py mlp --sizes 10 1000     # any device; the default one
 """
@@ -72,12 +72,14 @@ class Sampler:
         self._thread.join()
 
 
-def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False):
-    """Steps/s of a new sink over ``calls`` timed calls, its stats, and the sampler; with
-    ``prefilled``, the timing starts 2 s after the warm calls: time for the producer to fill
-    its free slots (``prefetch`` chunks) first."""
+def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False, **options):
+    """Steps/s of a new sink (of ``data_sink`` ``options``) over ``calls`` timed calls, its
+    stats, and the sampler; with ``prefilled``, the timing starts 2 s after the warm calls: time
+    for the producer to fill its free slots (``prefetch`` chunks) first."""
     state = fresh(w.init())
-    with sinkax.data_sink(step, w.batches, size, strategy="scan", prefetch=prefetch) as sink:
+    with sinkax.data_sink(
+        step, w.batches, size, strategy="scan", prefetch=prefetch, **options
+    ) as sink:
         for _ in range(3):
             state, metrics = sink(state)
         jax.block_until_ready(metrics)
@@ -161,13 +163,15 @@ def main(argv=None):
         calls = max(3, args.steps // size)
         rate, stats, sampler = sink_rate(w.step, w, size, calls, sample=True)
         idle_rate, _, _ = sink_rate(idle, w, size, calls)
+        idle_numpy, _, _ = sink_rate(idle, w, size, calls, pin_memory=False)
         bound = window_rate(w, size, calls)
         prefetch = min(16, max(2, 1024 // size))  # chunks of at least 64 steps
         ahead = max(2, prefetch * 64 // size)  # calls that the prepared chunks hold
         filled, _, _ = sink_rate(w.step, w, size, ahead, prefetch=prefetch, prefilled=True)
         in_flight, landed = call_after_put(w, size)
         print(
-            f"\nsink {size}: {rate:.0f} steps/s; idle step {idle_rate:.0f}; device windows "
+            f"\nsink {size}: {rate:.0f} steps/s; idle step {idle_rate:.0f} (staged in numpy "
+            f"memory {idle_numpy:.0f}); device windows "
             f"{bound:.0f}; data prepared ahead {filled:.0f}; data_wait_s "
             f"{stats.data_wait_s:.3f} slot_wait_s {stats.slot_wait_s:.3f} chunks "
             f"{stats.chunks_transferred}\n  window call returns after {in_flight * 1e6:.0f} us "

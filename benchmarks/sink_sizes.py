@@ -206,19 +206,20 @@ def label(size, epoch):
     return f"sinkax epoch ({epoch})" if size == -1 else f"sinkax {size}"  # "sinkax auto" too
 
 
-def measure(w, steps, repeats, sizes, strategy="auto", wrap=None, **options):
-    """Rows of steps/s, one per mode: plain, the hand-written loops, sinkax at ``sizes`` and the
-    device-only bounds. Every mode is built and warmed up first, then each is timed alone (no
-    sink open beside it), round-robin ``repeats`` times, so that a slow spell of a shared machine
-    hits all modes alike; medians reported. Ratios: to plain, to the better hand-written loop,
-    and to the bound of the strategy the sink chose (its own compute, with the data already on
-    the device). ``wrap(mode, run)``, if given, returns the run to time instead of ``run``."""
+def measure(w, steps, repeats, sizes, strategy="auto", wrap=None, variants=(), **options):
+    """Rows of steps/s, one per mode: plain, the hand-written loops, sinkax at ``sizes``, then
+    ``variants`` (``(mode, sink size, data_sink options)`` each) and the device-only bounds.
+    Every mode is built and warmed up first, then each is timed alone (no sink open beside it),
+    round-robin ``repeats`` times, so that a slow spell of a shared machine hits all modes
+    alike; medians reported. Ratios: to plain, to the better hand-written loop, and to the bound
+    of the strategy the sink chose (its own compute, with the data already on the device).
+    ``wrap(mode, run)``, if given, returns the run to time instead of ``run``."""
     runs, chosen = {"plain": plain(w, steps)}, {}
     for mode, make in HAND_WRITTEN:
         runs[mode] = make(w, steps)
-    for size in sizes:
-        mode = label(size, len(w.batches))
-        runs[mode], chosen[mode] = sinkax_run(w, steps, size, strategy, **options)
+    sinks = [(label(size, len(w.batches)), size, {}) for size in sizes]
+    for mode, size, more in [*sinks, *variants]:
+        runs[mode], chosen[mode] = sinkax_run(w, steps, size, strategy, **options, **more)
     for mode, make in BOUNDS:
         runs[mode] = make(w, steps)
     if wrap is not None:

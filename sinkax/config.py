@@ -133,6 +133,31 @@ def sink_device(device: jax.Device | str) -> jax.Device:
     return device
 
 
+def staging(sharding: Sharding, pin_memory: bool | None) -> Sharding | None:
+    """Where a sink placed by ``sharding`` builds its chunks on the host: in its device's pinned
+    host memory, which the device reads by DMA (``pin_memory=True``; ``None``: on a GPU), or, as
+    ``None``, in numpy memory, which the runtime first copies into pinned memory of its own.
+
+    >>> staging(jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]), None) is None
+    True
+    """
+    if pin_memory not in (None, True, False):
+        raise TypeError(f"pin_memory must be True, False or None (on a GPU), got {pin_memory!r}.")
+    on_gpu = placement.platform(sharding) in TARGETS["GPU"]
+    if not (on_gpu if pin_memory is None else pin_memory):
+        return None
+    pinned = placement.pinned_host(sharding)
+    if pinned is None or placement.platform(sharding) in TARGETS["Emulated"]:
+        if pin_memory is None:
+            return None
+        raise ValueError(
+            f"pin_memory=True builds chunks in the pinned host memory of the sink's one device, "
+            f"but {sharding} has none (several devices, or a device without a 'pinned_host' "
+            "memory; the emulated device models pageable transfers only): leave pin_memory=None."
+        )
+    return pinned
+
+
 @dataclasses.dataclass(frozen=True)
 class SinkConfig:
     """The checked options of a sink (see :func:`sinkax.data_sink` for each); build it with
@@ -153,6 +178,7 @@ class SinkConfig:
     progress: progress_hook.Hook | None = None  # see sinkax.execution.progress
     progress_every: int = 100
     call_seconds: float = 1.0  # the target of sink_size="auto"
+    staging: Sharding | None = None  # pinned host memory chunks are built in (None: numpy's)
 
     @classmethod
     def of(
@@ -174,6 +200,7 @@ class SinkConfig:
         progress: progress_hook.Hook | None = None,
         progress_every: int = 100,
         call_seconds: float = 1.0,
+        pin_memory: bool | None = None,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)
@@ -185,6 +212,9 @@ class SinkConfig:
                 "sink_size='auto' sizes calls from this process's own timings, but every "
                 "process must run the same calls: give a fixed sink_size across processes."
             )
+        placed = placement.resolve(
+            None if device is None else sink_device(device), sharding, default_device
+        )
         return cls(
             sink_size=sink_size if sink_size == AUTO else int(sink_size),
             jit=bool(jit),
@@ -192,9 +222,7 @@ class SinkConfig:
             prefetch=int(prefetch),
             max_chunk_bytes=int(max_chunk_bytes),
             timeout=float(timeout),
-            sharding=placement.resolve(
-                None if device is None else sink_device(device), sharding, default_device
-            ),
+            sharding=placed,
             save_graphs=None if save_graphs is None else os.fspath(save_graphs),
             calls=None if calls is None else int(calls),
             total_steps=None if total_steps is None else int(total_steps),
@@ -203,6 +231,7 @@ class SinkConfig:
             progress=progress,
             progress_every=int(progress_every),
             call_seconds=check_call_seconds(call_seconds),
+            staging=staging(placed, pin_memory),
         )
 
     def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:

@@ -83,6 +83,21 @@ def replicated(sharding: Sharding) -> Sharding:
     return sharding
 
 
+def pinned_host(sharding: Sharding) -> Sharding | None:
+    """``sharding``'s one device's pinned (page-locked) host memory, from which the device copies
+    by DMA; ``None`` if ``sharding`` spans several devices or its device has no such memory.
+
+    >>> pinned_host(SingleDeviceSharding(jax.devices("cpu")[0])).memory_kind
+    'pinned_host'
+    """
+    if not isinstance(sharding, SingleDeviceSharding):
+        return None
+    (device,) = sharding.device_set
+    if "pinned_host" not in {memory.kind for memory in device.addressable_memories()}:
+        return None
+    return SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
 def put(tree: Any, sharding: Sharding) -> Any:
     """``tree`` of host arrays placed as ``sharding``; when ``sharding`` spans other processes,
     ``tree`` is this process's part and the result the global arrays (every process calls)."""

@@ -1,7 +1,6 @@
 """What only a GPU can check; every test here skips without one.
 
-CI has no GPU, and no GPU was lent to the sessions that wrote these: they have never run. They
-are here so that the first run on a GPU machine (``make test`` there) checks the GPU path.
+CI has no GPU: they run where one is lent, in benchmarks/gpu_check.py's ``tests`` part.
 """
 
 import jax
@@ -47,3 +46,17 @@ def test_auto_runs_scan_on_the_gpu_measuring_nothing(batches):
         state, _ = sink(init_state())
         sink(state)
         assert sink.stats.strategy == "scan" and sink.stats.strategy_timings == {}
+
+
+def test_a_gpu_sink_stages_in_pinned_memory_and_trains_as_a_numpy_staged_one(batches):
+    results = []
+    for pin in (None, False):
+        state = init_state()
+        with sinkax.data_sink(
+            train_step, batches, 3, device=gpus()[0], strategy="scan", prefetch=1, pin_memory=pin
+        ) as sink:
+            for _ in range(5):  # slots reused, across epochs
+                state, loss = sink(state)
+            results.append((sink.config.staging, jax.tree.map(np.asarray, (state, loss))))
+    assert results[0][0].memory_kind == "pinned_host" and results[1][0] is None
+    jax.tree.map(np.testing.assert_array_equal, results[0][1], results[1][1])

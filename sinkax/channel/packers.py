@@ -8,6 +8,9 @@
   once. They are 64-byte aligned, which lets XLA:CPU use them as device buffers without a copy
   (``device_put`` aliases aligned host memory): on CPU a slot *is* the device memory, so the
   slot is freed only once the compute on its chunk has finished; on GPU ``device_put`` copies.
+  With a ``staging`` sharding (``pin_memory``, on a GPU by default) the buffers are numpy views
+  of jax arrays in the device's pinned host memory (:func:`pinned_zeros`): a whole chunk goes to
+  the device by DMA, without the runtime's own copy of pageable memory into pinned memory.
 * :class:`Unstacked` (``"unstacked"``, the ``"step"`` strategy's one-step calls on CPU): each
   batch is copied (a dataset may refill the arrays it yielded once it runs again, and the
   producer reads ahead), from :data:`ALIGN_FROM_BYTES` on into 64-byte aligned memory, and a
@@ -18,7 +21,7 @@
 >>> import jax, numpy as np
 >>> from sinkax.spec import BatchSpec
 >>> spec = BatchSpec.of({"x": np.float32(0)})
->>> packer = of("stacked", jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+>>> packer = Stacked(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 >>> build = Build(packer.allocate(spec, steps=2), t0=0.0)
 >>> for i in range(2):
 ...     packer.write(build, spec, [np.float32(i)]); build.filled += 1
@@ -29,8 +32,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +42,9 @@ import numpy as np
 
 from sinkax import placement
 from sinkax.spec import BatchSpec
+
+if TYPE_CHECKING:
+    from sinkax.config import SinkConfig
 
 ALIGN_FROM_BYTES = 4096  # smaller arrays XLA copies at dispatch for less than aligning costs
 
@@ -67,6 +74,27 @@ def owned_copy(array: np.ndarray, align: int = 64) -> np.ndarray:
     copy = _aligned(np.empty, array.shape, array.dtype, align)
     np.copyto(copy, array)
     return copy
+
+
+def pinned_zeros(
+    shape: tuple[int, ...], dtype: np.dtype, staging: jax.sharding.Sharding
+) -> np.ndarray:
+    """A zeroed, writable numpy view of a jax array placed by ``staging`` (host memory of one
+    device, e.g. ``memory_kind="pinned_host"``), which the view keeps alive as ``.base.source``.
+
+    The jax array is the view's to write: nothing else holds it, and the caller writes only
+    while no copy from it is in flight.
+
+    >>> staging = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    >>> view = pinned_zeros((2,), np.dtype(np.float32), staging); view[1] = 7
+    >>> view.base.source.tolist()
+    [0.0, 7.0]
+    """
+    source = jax.device_put(np.zeros(shape, dtype), staging)
+    nbytes = source.size * source.dtype.itemsize
+    memory = (ctypes.c_uint8 * nbytes).from_address(source.unsafe_buffer_pointer())
+    memory.source = source
+    return np.ndarray(shape, dtype, buffer=memory)
 
 
 @dataclasses.dataclass
@@ -109,12 +137,17 @@ class Stacked:
     staged = True
     ragged_last = False  # a stacked chunk has one shape
 
-    def __init__(self, sharding: jax.sharding.Sharding):
-        self._sharding = sharding
+    def __init__(
+        self, sharding: jax.sharding.Sharding, staging: jax.sharding.Sharding | None = None
+    ):
+        self._sharding, self._staging = sharding, staging
         self._pad = jax.jit(padded, static_argnums=1, out_shardings=sharding)
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
-        return [aligned_zeros((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
+        shapes = [((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
+        if self._staging is None:
+            return [aligned_zeros(shape, dtype) for shape, dtype in shapes]
+        return [pinned_zeros(shape, dtype, self._staging) for shape, dtype in shapes]
 
     def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
         for buffer, leaf in zip(build.staging, leaves, strict=True):
@@ -127,6 +160,8 @@ class Stacked:
         capacity = len(build.staging[0])
         whole = steps == capacity or not self._sharding.is_fully_addressable
         rows = build.staging if whole else [buffer[:steps] for buffer in build.staging]
+        if whole and self._staging is not None:  # by DMA from the pinned staging
+            rows = [buffer.base.source for buffer in rows]
         data = placement.put(jax.tree_util.tree_unflatten(spec.treedef, rows), self._sharding)
         if not whole:
             data = self._pad(data, capacity)
@@ -166,9 +201,10 @@ def padded(chunk: Any, rows: int) -> Any:
     return jax.tree.map(lambda x: jnp.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1)), chunk)
 
 
-def of(feed: str, sharding: jax.sharding.Sharding, ragged_last: bool = False) -> Packer:
-    """The packer of a strategy's ``feed`` (``"stacked"`` or ``"unstacked"``) for batches placed
-    by ``sharding`` (of one batch); ``ragged_last``: see :class:`Unstacked`."""
+def of(feed: str, config: SinkConfig) -> Packer:
+    """The packer of a strategy's ``feed`` (``"stacked"`` or ``"unstacked"``) for a sink of
+    ``config``: batches placed by its ``sharding``, built in its ``staging``, with its
+    ``ragged_last`` (see :class:`Unstacked`)."""
     if feed == "stacked":
-        return Stacked(placement.stacked(sharding))
-    return Unstacked(ragged_last)
+        return Stacked(placement.stacked(config.sharding), config.staging)
+    return Unstacked(config.ragged_last)

@@ -1,0 +1,107 @@
+"""Where a sink builds its chunks on the host (``pin_memory``): numpy memory, or the device's
+pinned host memory, which a GPU reads by DMA. The CPU has a pinned host memory too, so the pinned
+path runs here; whether it is faster is a GPU question (benchmarks/gpu_sink_sizes.py)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import init_state, needs_plugin, train_step
+
+import sinkax
+from sinkax.channel.packers import Build, Stacked
+from sinkax.config import staging
+from sinkax.spec import BatchSpec
+
+CPU = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+
+
+def numbered(n: int) -> list[dict]:
+    return [{"x": np.full((3,), i, np.float32), "i": np.int32(i)} for i in range(n)]
+
+
+def test_a_pinned_slot_is_written_through_its_view_and_moved_whole_from_the_jax_array():
+    spec = BatchSpec.of(numbered(1)[0])
+    packer = Stacked(CPU, staging(CPU, True))
+    build = Build(packer.allocate(spec, steps=4), t0=0.0)
+    assert {buffer.base.source.sharding.memory_kind for buffer in build.staging} == {"pinned_host"}
+    for batch in numbered(4):
+        packer.write(build, spec, jax.tree.leaves(batch))
+        build.filled += 1
+    data, moved, padded = packer.pack(build, spec, steps=4)
+    assert data["i"].sharding.memory_kind == "device" and not padded
+    assert data["i"].tolist() == [0, 1, 2, 3] and moved == 4 * spec.nbytes
+    np.testing.assert_array_equal(build.staging[1], np.asarray(build.staging[1].base.source))
+    part, moved, padded = packer.pack(build, spec, steps=3)  # a chunk cut short: padded
+    assert part["i"].tolist() == [0, 1, 2, 0] and moved == 3 * spec.nbytes and padded
+
+
+class Slow:
+    """Batches that take ``pause`` seconds each from the ``after``-th on: calls cut chunks."""
+
+    def __init__(self, batches: list, pause: float, after: int):
+        self.batches, self.pause, self.after = batches, pause, after
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if i >= self.after:
+                time.sleep(self.pause)
+            yield batch
+
+
+@pytest.mark.parametrize("sink_size", [3, 4, -1])
+def test_pinned_and_numpy_staging_run_the_same_batches_in_order(sink_size):
+    dataset = Slow(numbered(10), pause=0.03, after=12)  # the second epoch's cut chunks
+    seen = {}
+    for pin in (False, True):
+        with sinkax.data_sink(
+            lambda s, b: (s + 1, b["i"]), dataset, sink_size, pin_memory=pin, prefetch=1
+        ) as sink:
+            assert (sink.config.staging is not None) == pin
+            outs = [sink(np.int32(0))[1] for _ in range(5)]
+            assert 0 < sink.stats.chunks_padded < sink.stats.chunks_transferred  # both paths
+        seen[pin] = np.concatenate(outs).tolist()
+    steps = 10 if sink_size == -1 else sink_size
+    assert seen[True] == seen[False] == [i % 10 for i in range(5 * steps)]
+
+
+def test_pin_memory_none_pins_on_a_gpu_only():
+    assert staging(CPU, None) is None and staging(CPU, False) is None
+    assert staging(CPU, True).memory_kind == "pinned_host"
+    with sinkax.data_sink(train_step, numbered(2), 1) as sink:
+        assert sink.config.staging is None
+
+
+def test_pin_memory_refuses_what_it_cannot_pin():
+    with pytest.raises(TypeError, match="pin_memory must be True, False or None"):
+        staging(CPU, "yes")
+    mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("data",))
+    named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    with pytest.raises(ValueError, match="pinned host memory of the sink's one device"):
+        staging(named, True)
+    assert staging(named, None) is None
+
+
+@needs_plugin
+def test_the_emulated_device_never_pins_its_transfers_are_modelled_pageable():
+    emulated = jax.sharding.SingleDeviceSharding(sinkax.backend.resolve_device("Emulated"))
+    assert staging(emulated, None) is None
+    with pytest.raises(ValueError, match="models pageable transfers only"):
+        staging(emulated, True)
+
+
+def test_a_pinned_sink_trains_as_a_numpy_staged_one(batches):
+    results = []
+    for pin in (False, True):
+        state = init_state()
+        with sinkax.data_sink(train_step, batches, 4, pin_memory=pin, prefetch=1) as sink:
+            for _ in range(4):
+                state, loss = sink(state)
+        results.append((jax.tree.map(np.asarray, state), np.asarray(loss)))
+    jax.tree.map(np.testing.assert_array_equal, *results)
