@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sink_size % EVERY:
         parser.error(f"--sink-size must be a multiple of {EVERY}, the steps per report")
-    if args.device:
-        jax.config.update("jax_platforms", args.device)
+    if args.device:  # ("gpu": jax_platforms would ask for ROCm too)
+        jax.config.update("jax_default_device", jax.devices(args.device)[0])
     rows = measure(args.workload, args.steps, args.sink_size, args.repeats)
     print(f"{args.workload}, sink {args.sink_size}  ({machine()['device']}, jax {jax.__version__})")
     print(table(rows, ["mode", "steps/s", "x base"]))

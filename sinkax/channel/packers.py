@@ -90,7 +90,8 @@ def pinned_zeros(
     >>> view.base.source.tolist()
     [0.0, 7.0]
     """
-    source = jax.device_put(np.zeros(shape, dtype), staging)
+    # filled: a GPU fills it after device_put returns, which would overwrite what is written
+    source = jax.block_until_ready(jax.device_put(np.zeros(shape, dtype), staging))
     nbytes = source.size * source.dtype.itemsize
     memory = (ctypes.c_uint8 * nbytes).from_address(source.unsafe_buffer_pointer())
     memory.source = source
