@@ -4,9 +4,11 @@ benchmarks/gpu_check.py, which runs each workload in a process of its own and un
 The modes and the timing are :func:`sink_sizes.measure`'s (plain, the hand-written jit loop
 with transfers issued 2 steps ahead and the hand-written ``lax.scan`` over chunks put ahead,
 sinkax at sink sizes 1, 10, 100, 1000 and one epoch -- a new sink per timed run --, and the
-device-only bounds), medians over repeats; then ``pageable 10`` and ``pageable 1000``: the
-same sinks with ``pin_memory=False``, their chunks built in numpy memory, which the runtime
-copies into pinned memory of its own before the device reads it. Per sink size also ``first
+device-only bounds), medians over repeats; then, at sink sizes 10 and 1000, ``pinned``: the
+sink with ``pin_memory=True`` (chunks built in pinned host memory, moved by DMA), and ``no
+copiers``: the sink of the same batches as an iterable that is no list, which the producer
+copies one by one before it reads the next, where a list's are copied by copier threads (on a
+host of 8 cores or more; see sinkax.channel.packers). Per sink size also ``first
 call s``: a fresh sink's first call once its executables are compiled (the producer's start and
 first chunk included), and ``cold first call s``: the first call of the first sink of the
 step, compiles included. The device's peak memory (``memory_stats()["peak_bytes_in_use"]``)
@@ -33,7 +35,7 @@ import sinkax
 
 WORKLOADS = ("mlp", "lenet", "transformer")
 SIZES, DRY_SIZES = (1, 10, 100, 1000, -1), (1, 2, -1)
-PAGEABLE, DRY_PAGEABLE = (10, 1000), (2,)  # sink sizes also timed with pin_memory=False
+VARIED, DRY_VARIED = (10, 1000), (2,)  # sink sizes also timed pinned and without copiers
 FULL = {"mlp": (2000, 1000, 3), "lenet": (2000, 1000, 3), "transformer": (500, 500, 2)}
 DRY = (20, 10, 1)  # (steps per repeat, batches per epoch, repeats)
 COLUMNS = ["mode", "steps/s", "x plain", "x hand best", "x bound", "strategy"]
@@ -49,12 +51,27 @@ def first_call_seconds(w, size, strategy):
         return time.perf_counter() - t0
 
 
-def bench(w, steps, repeats, sizes, pageable):
+class Iterated:
+    """The batches as a re-iterable that is no list: a sink cannot tell that they stay put."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def bench(w, steps, repeats, sizes, varied):
     """Rows of the table for workload ``w``, one per mode (see :func:`sink_sizes.measure`)."""
     cold = {}
     for size in sizes:  # the first sink of the step: compiles included
         cold[sink_sizes.label(size, len(w.batches))] = first_call_seconds(w, size, "auto")
-    variants = [(f"pageable {size}", size, {"pin_memory": False}) for size in pageable]
+    iterated = dataclasses.replace(w, batches=Iterated(w.batches))
+    variants = [(f"pinned {size}", size, w, {"pin_memory": True}) for size in varied]
+    variants += [(f"no copiers {size}", size, iterated, {}) for size in varied]
     rows = sink_sizes.measure(w, steps, repeats, sizes, variants=variants)
     for row in rows:
         if row["mode"] in cold:
@@ -104,9 +121,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     steps, epoch, repeats = DRY if args.dry_run else FULL[args.workload]
     shape = _transformer.TINY if args.dry_run else _transformer.LMShape()
-    sizes, pageable = (DRY_SIZES, DRY_PAGEABLE) if args.dry_run else (SIZES, PAGEABLE)
+    sizes, varied = (DRY_SIZES, DRY_VARIED) if args.dry_run else (SIZES, VARIED)
     w = workload(args.workload, epoch, lm_shape=shape)
-    rows = bench(w, steps, repeats, sizes, pageable)
+    rows = bench(w, steps, repeats, sizes, varied)
     checks = targets(args.workload, rows)
     print(f"{args.workload} ({machine()['device']}, jax {jax.__version__})")
     print(table(rows, [*COLUMNS, *FIRST]))

@@ -1,7 +1,7 @@
 """Where a sink's host time goes, per thread, beside the rates that bound it (one workload).
 
 For each sink size: steps/s of the sink, of a sink of the same data whose step does nothing
-(the data path's own ceiling: read, stage, transfer; also with ``pin_memory=False``), of the
+(the data path's own ceiling: read, stage, transfer; also with ``pin_memory=True``), of the
 hand-written window loop over one chunk already on the device (``lax.scan`` of ``size`` steps
 from a device position: what a sink call computes, without its data path), of the sink timed
 once its producer had 2 s to prepare ``prefetch`` chunks ahead ("data prepared ahead": its
@@ -163,15 +163,15 @@ def main(argv=None):
         calls = max(3, args.steps // size)
         rate, stats, sampler = sink_rate(w.step, w, size, calls, sample=True)
         idle_rate, _, _ = sink_rate(idle, w, size, calls)
-        idle_numpy, _, _ = sink_rate(idle, w, size, calls, pin_memory=False)
+        idle_pinned, _, _ = sink_rate(idle, w, size, calls, pin_memory=True)
         bound = window_rate(w, size, calls)
         prefetch = min(16, max(2, 1024 // size))  # chunks of at least 64 steps
         ahead = max(2, prefetch * 64 // size)  # calls that the prepared chunks hold
         filled, _, _ = sink_rate(w.step, w, size, ahead, prefetch=prefetch, prefilled=True)
         in_flight, landed = call_after_put(w, size)
         print(
-            f"\nsink {size}: {rate:.0f} steps/s; idle step {idle_rate:.0f} (staged in numpy "
-            f"memory {idle_numpy:.0f}); device windows "
+            f"\nsink {size}: {rate:.0f} steps/s; idle step {idle_rate:.0f} (staged in pinned "
+            f"memory {idle_pinned:.0f}); device windows "
             f"{bound:.0f}; data prepared ahead {filled:.0f}; data_wait_s "
             f"{stats.data_wait_s:.3f} slot_wait_s {stats.slot_wait_s:.3f} chunks "
             f"{stats.chunks_transferred}\n  window call returns after {in_flight * 1e6:.0f} us "

@@ -208,7 +208,8 @@ def label(size, epoch):
 
 def measure(w, steps, repeats, sizes, strategy="auto", wrap=None, variants=(), **options):
     """Rows of steps/s, one per mode: plain, the hand-written loops, sinkax at ``sizes``, then
-    ``variants`` (``(mode, sink size, data_sink options)`` each) and the device-only bounds.
+    ``variants`` (``(mode, sink size, workload, data_sink options)`` each, sinks of another
+    form of ``w``, or other options) and the device-only bounds.
     Every mode is built and warmed up first, then each is timed alone (no sink open beside it),
     round-robin ``repeats`` times, so that a slow spell of a shared machine hits all modes
     alike; medians reported. Ratios: to plain, to the better hand-written loop, and to the bound
@@ -217,9 +218,9 @@ def measure(w, steps, repeats, sizes, strategy="auto", wrap=None, variants=(), *
     runs, chosen = {"plain": plain(w, steps)}, {}
     for mode, make in HAND_WRITTEN:
         runs[mode] = make(w, steps)
-    sinks = [(label(size, len(w.batches)), size, {}) for size in sizes]
-    for mode, size, more in [*sinks, *variants]:
-        runs[mode], chosen[mode] = sinkax_run(w, steps, size, strategy, **options, **more)
+    sinks = [(label(size, len(w.batches)), size, w, {}) for size in sizes]
+    for mode, size, form, more in [*sinks, *variants]:
+        runs[mode], chosen[mode] = sinkax_run(form, steps, size, strategy, **options, **more)
     for mode, make in BOUNDS:
         runs[mode] = make(w, steps)
     if wrap is not None:

@@ -133,27 +133,24 @@ def sink_device(device: jax.Device | str) -> jax.Device:
     return device
 
 
-def staging(sharding: Sharding, pin_memory: bool | None) -> Sharding | None:
-    """Where a sink placed by ``sharding`` builds its chunks on the host: in its device's pinned
-    host memory, which the device reads by DMA (``pin_memory=True``; ``None``: on a GPU), or, as
-    ``None``, in numpy memory, which the runtime first copies into pinned memory of its own.
+def staging(sharding: Sharding, pin_memory: bool) -> Sharding | None:
+    """Where a sink placed by ``sharding`` builds its chunks on the host: with ``pin_memory``,
+    in its device's pinned host memory, which the device reads by DMA; else (``None``) in numpy
+    memory, which a GPU runtime first copies into pinned memory of its own.
 
-    >>> staging(jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]), None) is None
-    True
+    >>> staging(jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]), True).memory_kind
+    'pinned_host'
     """
-    if pin_memory not in (None, True, False):
-        raise TypeError(f"pin_memory must be True, False or None (on a GPU), got {pin_memory!r}.")
-    on_gpu = placement.platform(sharding) in TARGETS["GPU"]
-    if not (on_gpu if pin_memory is None else pin_memory):
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"pin_memory must be True or False, got {pin_memory!r}.")
+    if not pin_memory:
         return None
     pinned = placement.pinned_host(sharding)
     if pinned is None or placement.platform(sharding) in TARGETS["Emulated"]:
-        if pin_memory is None:
-            return None
         raise ValueError(
             f"pin_memory=True builds chunks in the pinned host memory of the sink's one device, "
             f"but {sharding} has none (several devices, or a device without a 'pinned_host' "
-            "memory; the emulated device models pageable transfers only): leave pin_memory=None."
+            "memory; the emulated device models pageable transfers only): leave it False."
         )
     return pinned
 
@@ -200,7 +197,7 @@ class SinkConfig:
         progress: progress_hook.Hook | None = None,
         progress_every: int = 100,
         call_seconds: float = 1.0,
-        pin_memory: bool | None = None,
+        pin_memory: bool = False,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
         _validate(sink_size, prefetch, timeout, max_chunk_bytes)

@@ -324,9 +324,9 @@ def data_sink(
         ``progress_every`` steps (default 100) from the device where it runs host callbacks,
         the rest when the call returns (see :mod:`sinkax.execution.progress`).
       pin_memory: build chunks in the device's pinned (page-locked) host memory, which the
-        device reads by DMA, rather than in numpy memory, which the runtime first copies into
-        pinned memory of its own. ``None`` (default): on a GPU; needs a sink on one device.
-        Pinned memory is not paged out: ``prefetch + 1`` chunks of it are held.
+        device reads by DMA, rather than in numpy memory, which a GPU runtime first copies into
+        pinned memory of its own (a sink on one device; ``prefetch + 1`` chunks of memory that
+        is never paged out). Default ``False``.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.

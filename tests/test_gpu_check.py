@@ -40,7 +40,10 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     summary = (tmp_path / "tests.log").read_text().strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ skipped in [\d.]+s", summary)  # tests/test_gpu.py: no GPU here
     profile = (tmp_path / "profile.log").read_text()
-    assert re.search(r"sink 10: \d+ steps/s; idle step \d+; device windows \d+", profile)
+    rates = (
+        r"sink 10: \d+ steps/s; idle step \d+ \(staged in pinned memory \d+\); device windows \d+"
+    )
+    assert re.search(rates, profile)
     assert re.search(r"window call returns after \d+ us just after its chunk's device_put", profile)
     assert "thread sinkax-producer" in profile and "thread MainThread" in profile
     live = (tmp_path / "bench.log").read_text().split("=== live-mlp")[1]

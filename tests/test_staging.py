@@ -1,6 +1,8 @@
-"""Where a sink builds its chunks on the host (``pin_memory``): numpy memory, or the device's
-pinned host memory, which a GPU reads by DMA. The CPU has a pinned host memory too, so the pinned
-path runs here; whether it is faster is a GPU question (benchmarks/gpu_sink_sizes.py)."""
+"""How a sink builds its chunks on the host: in numpy memory or the device's pinned host memory
+(``pin_memory``), which a GPU reads by DMA; copied by the producer batch by batch, or by copier
+threads in groups where the source keeps its batches. The CPU has a pinned host memory too, and
+the tests give themselves copiers, so every path runs here; whether they are faster is a GPU
+question (benchmarks/gpu_sink_sizes.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import pytest
 from conftest import init_state, needs_plugin, train_step
 
 import sinkax
+from sinkax.channel import packers
 from sinkax.channel.packers import Build, Stacked
+from sinkax.channel.ring import DeviceRing
+from sinkax.channel.source import as_source
 from sinkax.config import staging
 from sinkax.spec import BatchSpec
 
@@ -71,27 +76,26 @@ def test_pinned_and_numpy_staging_run_the_same_batches_in_order(sink_size):
     assert seen[True] == seen[False] == [i % 10 for i in range(5 * steps)]
 
 
-def test_pin_memory_none_pins_on_a_gpu_only():
-    assert staging(CPU, None) is None and staging(CPU, False) is None
-    assert staging(CPU, True).memory_kind == "pinned_host"
+def test_pin_memory_is_asked_for():
+    assert staging(CPU, False) is None and staging(CPU, True).memory_kind == "pinned_host"
     with sinkax.data_sink(train_step, numbered(2), 1) as sink:
         assert sink.config.staging is None
 
 
 def test_pin_memory_refuses_what_it_cannot_pin():
-    with pytest.raises(TypeError, match="pin_memory must be True, False or None"):
-        staging(CPU, "yes")
+    with pytest.raises(TypeError, match="pin_memory must be True or False"):
+        staging(CPU, None)
     mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("data",))
     named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     with pytest.raises(ValueError, match="pinned host memory of the sink's one device"):
         staging(named, True)
-    assert staging(named, None) is None
+    assert staging(named, False) is None
 
 
 @needs_plugin
-def test_the_emulated_device_never_pins_its_transfers_are_modelled_pageable():
+def test_the_emulated_device_does_not_pin_its_transfers_are_modelled_pageable():
     emulated = jax.sharding.SingleDeviceSharding(sinkax.backend.resolve_device("Emulated"))
-    assert staging(emulated, None) is None
+    assert staging(emulated, False) is None
     with pytest.raises(ValueError, match="models pageable transfers only"):
         staging(emulated, True)
 
@@ -105,3 +109,54 @@ def test_a_pinned_sink_trains_as_a_numpy_staged_one(batches):
                 state, loss = sink(state)
         results.append((jax.tree.map(np.asarray, state), np.asarray(loss)))
     jax.tree.map(np.testing.assert_array_equal, *results)
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_copiers_fill_every_chunk_in_order_also_when_a_waiting_call_cuts_it(pin):
+    dataset = Slow(numbered(40), pause=0.03, after=30)  # the last batches: cuts
+    plan = lambda spec, position: iter([[(5, True)] * 4] * 100)  # noqa: E731  (chunks of 20)
+    packer = Stacked(CPU, staging(CPU, pin), copiers=2)
+    ring = DeviceRing(as_source(dataset), plan, prefetch=1, packer=packer)
+    seen = []
+    try:
+        while len(seen) < 60:
+            chunk = ring.get(timeout=10.0)
+            steps = sum(piece.steps for piece in chunk.pieces)
+            seen += np.asarray(chunk.data["i"][:steps]).tolist()
+            np.testing.assert_array_equal(chunk.data["x"][:steps, 0], chunk.data["i"][:steps])
+            ring.release(chunk.data)
+    finally:
+        ring.close(timeout=10.0)
+    assert ring.stats.padded > 1  # cut chunks (the first goes out after its first piece)
+    assert seen[:60] == [i % 40 for i in range(60)]
+
+
+@needs_plugin
+@pytest.mark.parametrize("dataset", ["list", "generator"])
+def test_a_sink_off_the_host_copies_with_spare_cores_only_batches_its_source_keeps(
+    monkeypatch, dataset
+):
+    monkeypatch.setattr(packers, "spare_copiers", lambda: 2)  # as on a host of 8+ cores
+    batches = numbered(12)
+    data = batches if dataset == "list" else Regenerated(batches)
+    emulated = sinkax.backend.resolve_device("Emulated")
+    with sinkax.data_sink(lambda s, b: (s, b["i"]), data, 5, device=emulated) as sink:
+        outs = np.concatenate([sink(np.int32(0))[1] for _ in range(5)]).tolist()
+        assert sink._cursor._packer._copiers == (2 if dataset == "list" else 0)
+    assert outs == [i % 12 for i in range(25)]
+    with sinkax.data_sink(lambda s, b: (s, b["i"]), batches, 5, device="cpu") as sink:
+        sink(np.int32(0))
+        assert sink._cursor._packer._copiers == 0  # its chunks are the device's memory
+
+
+class Regenerated:
+    """A re-iterable that is no list: its batches may be refilled as it runs (none are)."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        yield from self.batches

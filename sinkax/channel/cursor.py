@@ -65,7 +65,7 @@ class Cursor:
         feed: str = "stacked",
         data_state: DataPosition | None = None,
     ):
-        self._source, self._packer = source, packers.of(feed, config)
+        self._source, self._packer = source, packers.of(feed, config, source.keeps_batches)
         self.sizer = None  # sink_size="auto"
         if config.sink_size == AUTO:
             self.sizer = CallSizer(config.call_seconds, source.epoch_length, config.total_steps)

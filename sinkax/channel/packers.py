@@ -8,9 +8,14 @@
   once. They are 64-byte aligned, which lets XLA:CPU use them as device buffers without a copy
   (``device_put`` aliases aligned host memory): on CPU a slot *is* the device memory, so the
   slot is freed only once the compute on its chunk has finished; on GPU ``device_put`` copies.
-  With a ``staging`` sharding (``pin_memory``, on a GPU by default) the buffers are numpy views
-  of jax arrays in the device's pinned host memory (:func:`pinned_zeros`): a whole chunk goes to
-  the device by DMA, without the runtime's own copy of pageable memory into pinned memory.
+  With a ``staging`` sharding (``pin_memory``) the buffers are numpy views of jax arrays in the
+  device's pinned host memory (:func:`pinned_zeros`): a whole chunk goes to the device by DMA,
+  without the runtime's own copy of pageable memory into pinned memory. The producer copies
+  each batch in before it reads the next (a dataset may refill the arrays it yielded once it
+  runs again) -- unless the source keeps its batches (a list, a grain ``MapDataset``) and the
+  device has memory of its own: then it holds them and hands them, in groups of
+  :data:`COPY_GROUP` each, to :func:`spare_copiers` copier threads, so that its own thread only
+  reads and checks.
 * :class:`Unstacked` (``"unstacked"``, the ``"step"`` strategy's one-step calls on CPU): each
   batch is copied (a dataset may refill the arrays it yielded once it runs again, and the
   producer reads ahead), from :data:`ALIGN_FROM_BYTES` on into 64-byte aligned memory, and a
@@ -32,8 +37,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
+import functools
+import os
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -41,12 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from sinkax import placement
+from sinkax.backend import backend_of
 from sinkax.spec import BatchSpec
 
 if TYPE_CHECKING:
     from sinkax.config import SinkConfig
 
 ALIGN_FROM_BYTES = 4096  # smaller arrays XLA copies at dispatch for less than aligning costs
+COPY_GROUP = 8  # batches handed to each copier at once (a hand-over costs about a copy)
 
 
 def _aligned(allocate: Any, shape: tuple[int, ...], dtype: np.dtype, align: int) -> np.ndarray:
@@ -109,6 +119,8 @@ class Build:
     filled: int = 0  # batches written
     taken: int | None = None  # pieces the consumer took, once it cut the chunk
     carry: list[Any] = dataclasses.field(default_factory=list)  # batches read past them
+    held: list[tuple[int, list[np.ndarray]]] = dataclasses.field(default_factory=list)
+    copying: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)
 
 
 class Packer(Protocol):
@@ -139,10 +151,15 @@ class Stacked:
     ragged_last = False  # a stacked chunk has one shape
 
     def __init__(
-        self, sharding: jax.sharding.Sharding, staging: jax.sharding.Sharding | None = None
+        self,
+        sharding: jax.sharding.Sharding,
+        staging: jax.sharding.Sharding | None = None,
+        copiers: int = 0,
     ):
         self._sharding, self._staging = sharding, staging
         self._pad = jax.jit(padded, static_argnums=1, out_shardings=sharding)
+        self._copiers = copiers
+        self._pool = copy_pool(copiers) if copiers else None
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         shapes = [((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
@@ -151,10 +168,32 @@ class Stacked:
         return [pinned_zeros(shape, dtype, self._staging) for shape, dtype in shapes]
 
     def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
-        for buffer, leaf in zip(build.staging, leaves, strict=True):
-            buffer[build.filled] = leaf
+        if self._pool is None:
+            copy_rows(build.staging, [(build.filled, leaves)])
+            return
+        build.held.append((build.filled, leaves))  # the source keeps them: copied later
+        if len(build.held) == COPY_GROUP * self._copiers:
+            self._hand_over(build)
+
+    def _hand_over(self, build: Build) -> None:
+        """The held batches to the copiers, a share each."""
+        if not build.held:
+            return
+        share = -(-len(build.held) // self._copiers)
+        for k in range(0, len(build.held), share):
+            rows = build.held[k : k + share]
+            build.copying.append(self._pool.submit(copy_rows, build.staging, rows))
+        build.held = []
+
+    def _copied(self, build: Build) -> None:
+        """Every written batch is in the staging."""
+        self._hand_over(build)
+        for copy in build.copying:
+            copy.result()
+        build.copying = []
 
     def pack(self, build: Build, spec: BatchSpec, steps: int) -> tuple[Any, int, bool]:
+        self._copied(build)
         # Executables see one chunk shape: a chunk with fewer batches than its slot holds (the
         # first, one cut short, the last) moves only its batches and is padded on the device,
         # except across processes, where every process moves its whole slot.
@@ -171,7 +210,28 @@ class Stacked:
         return data, sum(buffer.nbytes for buffer in rows), not whole
 
     def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
+        self._copied(build)
         return [[np.array(b[i]) for b in build.staging] for i in range(steps, build.filled)]
+
+
+def copy_rows(staging: list[np.ndarray], rows: list[tuple[int, list[np.ndarray]]]) -> None:
+    """Each ``(i, leaves)`` of ``rows`` into row ``i`` of the ``staging`` buffers (numpy lets
+    go of the interpreter lock while it copies)."""
+    for i, leaves in rows:
+        for buffer, leaf in zip(staging, leaves, strict=True):
+            buffer[i] = leaf
+
+
+@functools.cache
+def copy_pool(copiers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that copy batches into staging, shared by the sinks of ``copiers``."""
+    return concurrent.futures.ThreadPoolExecutor(copiers, thread_name_prefix="sinkax-copier")
+
+
+def spare_copiers() -> int:
+    """Copier threads where cores are to spare: a quarter of this process's, at most 4 (none on
+    a machine of fewer than 8 cores, where they would take the compute's)."""
+    return min(4, len(os.sched_getaffinity(0)) // 4) if hasattr(os, "sched_getaffinity") else 0
 
 
 class Unstacked:
@@ -202,10 +262,13 @@ def padded(chunk: Any, rows: int) -> Any:
     return jax.tree.map(lambda x: jnp.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1)), chunk)
 
 
-def of(feed: str, config: SinkConfig) -> Packer:
+def of(feed: str, config: SinkConfig, keeps_batches: bool = False) -> Packer:
     """The packer of a strategy's ``feed`` (``"stacked"`` or ``"unstacked"``) for a sink of
     ``config``: batches placed by its ``sharding``, built in its ``staging``, with its
-    ``ragged_last`` (see :class:`Unstacked`)."""
+    ``ragged_last`` (see :class:`Unstacked`); copied by :func:`spare_copiers` threads where the
+    source ``keeps_batches`` and device memory is not host memory."""
     if feed == "stacked":
-        return Stacked(placement.stacked(config.sharding), config.staging)
+        off_host = not backend_of(next(iter(config.sharding.device_set))).host_is_device
+        copiers = spare_copiers() if keeps_batches and off_host else 0
+        return Stacked(placement.stacked(config.sharding), config.staging, copiers)
     return Unstacked(config.ragged_last)

@@ -47,6 +47,7 @@ class Source(Protocol):
 
     epoch_length: int | None
     position: Position
+    keeps_batches: bool  # a batch it yielded stays as it is once it is read on (none refilled)
 
     def __next__(self) -> Any: ...
     def get_state(self) -> dict[str, Any]: ...
@@ -88,6 +89,8 @@ IN_PRODUCER_THREAD = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 class MapDatasetSource:
     """A grain ``MapDataset`` read endlessly with per-epoch reshuffling."""
+
+    keeps_batches = True  # grain makes every element anew
 
     def __init__(self, dataset: grain.MapDataset, read_options: grain.ReadOptions | None = None):
         self.epoch_length = known_length(dataset)
@@ -177,6 +180,7 @@ class IterableSource:
         self.position = Position(0, 0)
         # a replay is checked against the saved run's batches, unless every pass is alike
         self._fingerprinted = not isinstance(dataset, Sequence)
+        self.keeps_batches = isinstance(dataset, Sequence)  # a list holds its batches
         self._first: str | None = None  # fingerprint of this epoch's first batch
         self._last: Any = None  # the last batch read
 
