@@ -11,8 +11,9 @@ sinkax, on Linux:
 * ``"main"``     -- the thread that calls ``set_cpu_affinity`` (the one that drives training);
 * ``"runtime"``  -- every other thread already in the process (XLA's compute pools, JAX's
   threads); threads they start later inherit the binding;
-* ``"minddata"`` -- every sink's producer thread, now and later; grain threads a producer starts
-  inherit its binding, but a later ``set_cpu_affinity`` call counts them as ``"runtime"``.
+* ``"minddata"`` -- every sink's producer thread, now and later; grain threads and copier
+  threads (:mod:`sinkax.channel.packers`) a producer starts inherit its binding, but a later
+  ``set_cpu_affinity`` call counts them as ``"runtime"``.
 
 By default the last quarter of the CPUs (at least one) goes to ``"minddata"`` and the rest to
 ``"main"`` and ``"runtime"``. ``set_cpu_affinity(False)`` gives every thread the original CPUs.

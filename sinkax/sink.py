@@ -326,7 +326,8 @@ def data_sink(
       pin_memory: build chunks in the device's pinned (page-locked) host memory, which the
         device reads by DMA, rather than in numpy memory, which a GPU runtime first copies into
         pinned memory of its own (a sink on one device; ``prefetch + 1`` chunks of memory that
-        is never paged out). Default ``False``.
+        is never paged out; not for the one-step ``"step"`` strategy, which hands batches over
+        as they are). Default ``False``.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.

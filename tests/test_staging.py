@@ -6,6 +6,7 @@ question (benchmarks/gpu_sink_sizes.py)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import jax
@@ -45,35 +46,42 @@ def test_a_pinned_slot_is_written_through_its_view_and_moved_whole_from_the_jax_
 
 
 class Slow:
-    """Batches that take ``pause`` seconds each from the ``after``-th on: calls cut chunks."""
+    """Batches, the ``slow``-th ones read (counted over every pass) taking ``pause`` s each: a
+    call that waits for them cuts its chunk."""
 
-    def __init__(self, batches: list, pause: float, after: int):
-        self.batches, self.pause, self.after = batches, pause, after
+    def __init__(self, batches: list, pause: float, slow: range):
+        self.batches, self.pause, self.slow, self.read = batches, pause, slow, 0
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self):
-        for i, batch in enumerate(self.batches):
-            if i >= self.after:
+        for batch in self.batches:
+            if self.read in self.slow:
                 time.sleep(self.pause)
+            self.read += 1
             yield batch
 
 
 @pytest.mark.parametrize("sink_size", [3, 4, -1])
 def test_pinned_and_numpy_staging_run_the_same_batches_in_order(sink_size):
-    dataset = Slow(numbered(10), pause=0.03, after=12)  # the second epoch's cut chunks
     seen = {}
     for pin in (False, True):
+        dataset = Slow(numbered(20), pause=0.03, slow=range(50, 60))  # in the third epoch
         with sinkax.data_sink(
-            lambda s, b: (s + 1, b["i"]), dataset, sink_size, pin_memory=pin, prefetch=1
+            lambda s, b: (s + 1, b["i"]),
+            dataset,
+            sink_size,
+            pin_memory=pin,
+            prefetch=1,
+            max_chunk_bytes=128,  # chunks of at most 8 batches: many
         ) as sink:
             assert (sink.config.staging is not None) == pin
-            outs = [sink(np.int32(0))[1] for _ in range(5)]
+            outs = [sink(np.int32(0))[1] for _ in range(12)]
             assert 0 < sink.stats.chunks_padded < sink.stats.chunks_transferred  # both paths
         seen[pin] = np.concatenate(outs).tolist()
-    steps = 10 if sink_size == -1 else sink_size
-    assert seen[True] == seen[False] == [i % 10 for i in range(5 * steps)]
+    steps = 20 if sink_size == -1 else sink_size
+    assert seen[True] == seen[False] == [i % 20 for i in range(12 * steps)]
 
 
 def test_pin_memory_is_asked_for():
@@ -111,9 +119,24 @@ def test_a_pinned_sink_trains_as_a_numpy_staged_one(batches):
     jax.tree.map(np.testing.assert_array_equal, *results)
 
 
+@pytest.fixture
+def copying_threads(monkeypatch) -> list[str]:
+    """The threads that copy rows into staging, each copy made 5 ms slow: a chunk that went
+    out before its copies were done would show it."""
+    threads, copy_rows = [], packers.copy_rows
+
+    def slow_copy_rows(staging, rows):
+        time.sleep(0.005)
+        threads.append(threading.current_thread().name)
+        copy_rows(staging, rows)
+
+    monkeypatch.setattr(packers, "copy_rows", slow_copy_rows)
+    return threads
+
+
 @pytest.mark.parametrize("pin", [False, True])
-def test_copiers_fill_every_chunk_in_order_also_when_a_waiting_call_cuts_it(pin):
-    dataset = Slow(numbered(40), pause=0.03, after=30)  # the last batches: cuts
+def test_copiers_fill_every_chunk_in_order_also_when_a_waiting_call_cuts_it(pin, copying_threads):
+    dataset = Slow(numbered(40), pause=0.03, slow=range(30, 40))  # the last batches: cuts
     plan = lambda spec, position: iter([[(5, True)] * 4] * 100)  # noqa: E731  (chunks of 20)
     packer = Stacked(CPU, staging(CPU, pin), copiers=2)
     ring = DeviceRing(as_source(dataset), plan, prefetch=1, packer=packer)
@@ -129,24 +152,27 @@ def test_copiers_fill_every_chunk_in_order_also_when_a_waiting_call_cuts_it(pin)
         ring.close(timeout=10.0)
     assert ring.stats.padded > 1  # cut chunks (the first goes out after its first piece)
     assert seen[:60] == [i % 40 for i in range(60)]
+    assert any(name.startswith("sinkax-copier") for name in copying_threads)
 
 
 @needs_plugin
 @pytest.mark.parametrize("dataset", ["list", "generator"])
 def test_a_sink_off_the_host_copies_with_spare_cores_only_batches_its_source_keeps(
-    monkeypatch, dataset
+    monkeypatch, copying_threads, dataset
 ):
     monkeypatch.setattr(packers, "spare_copiers", lambda: 2)  # as on a host of 8+ cores
-    batches = numbered(12)
+    batches = numbered(40)
     data = batches if dataset == "list" else Regenerated(batches)
     emulated = sinkax.backend.resolve_device("Emulated")
-    with sinkax.data_sink(lambda s, b: (s, b["i"]), data, 5, device=emulated) as sink:
+    with sinkax.data_sink(lambda s, b: (s, b["i"]), data, 20, device=emulated) as sink:
         outs = np.concatenate([sink(np.int32(0))[1] for _ in range(5)]).tolist()
-        assert sink._cursor._packer._copiers == (2 if dataset == "list" else 0)
-    assert outs == [i % 12 for i in range(25)]
-    with sinkax.data_sink(lambda s, b: (s, b["i"]), batches, 5, device="cpu") as sink:
+    assert outs == [i % 40 for i in range(100)]
+    copiers = {name for name in copying_threads if name.startswith("sinkax-copier")}
+    assert bool(copiers) == (dataset == "list")
+    copying_threads.clear()
+    with sinkax.data_sink(lambda s, b: (s, b["i"]), batches, 20, device="cpu") as sink:
         sink(np.int32(0))
-        assert sink._cursor._packer._copiers == 0  # its chunks are the device's memory
+    assert copying_threads and not any(n.startswith("sinkax-copier") for n in copying_threads)
 
 
 class Regenerated:

@@ -13,9 +13,10 @@
   without the runtime's own copy of pageable memory into pinned memory. The producer copies
   each batch in before it reads the next (a dataset may refill the arrays it yielded once it
   runs again) -- unless the source keeps its batches (a list, a grain ``MapDataset``) and the
-  device has memory of its own: then it holds them and hands them, in groups of
-  :data:`COPY_GROUP` each, to :func:`spare_copiers` copier threads, so that its own thread only
-  reads and checks.
+  device has memory of its own: then it holds them and hands them, in groups of up to
+  :data:`COPY_GROUP` batches or :data:`COPY_BYTES` each, to :func:`spare_copiers` copier threads,
+  so that its own thread only reads and checks; the batches still held when the chunk goes out
+  (or a waiting call cuts it) are copied by the thread that packs it.
 * :class:`Unstacked` (``"unstacked"``, the ``"step"`` strategy's one-step calls on CPU): each
   batch is copied (a dataset may refill the arrays it yielded once it runs again, and the
   producer reads ahead), from :data:`ALIGN_FROM_BYTES` on into 64-byte aligned memory, and a
@@ -42,6 +43,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
 
 ALIGN_FROM_BYTES = 4096  # smaller arrays XLA copies at dispatch for less than aligning costs
 COPY_GROUP = 8  # batches handed to each copier at once (a hand-over costs about a copy)
+COPY_BYTES = 4 << 20  # ... or fewer, of at most this many bytes (held batches are kept alive)
 
 
 def _aligned(allocate: Any, shape: tuple[int, ...], dtype: np.dtype, align: int) -> np.ndarray:
@@ -120,7 +123,7 @@ class Build:
     taken: int | None = None  # pieces the consumer took, once it cut the chunk
     carry: list[Any] = dataclasses.field(default_factory=list)  # batches read past them
     held: list[tuple[int, list[np.ndarray]]] = dataclasses.field(default_factory=list)
-    copying: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)
+    copying: list[Copy] = dataclasses.field(default_factory=list)  # handed to copiers
 
 
 class Packer(Protocol):
@@ -159,7 +162,7 @@ class Stacked:
         self._sharding, self._staging = sharding, staging
         self._pad = jax.jit(padded, static_argnums=1, out_shardings=sharding)
         self._copiers = copiers
-        self._pool = copy_pool(copiers) if copiers else None
+        self._pool = copy_pool(copiers, os.getpid()) if copiers else None
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         shapes = [((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
@@ -172,25 +175,22 @@ class Stacked:
             copy_rows(build.staging, [(build.filled, leaves)])
             return
         build.held.append((build.filled, leaves))  # the source keeps them: copied later
-        if len(build.held) == COPY_GROUP * self._copiers:
-            self._hand_over(build)
-
-    def _hand_over(self, build: Build) -> None:
-        """The held batches to the copiers, a share each."""
-        if not build.held:
-            return
-        share = -(-len(build.held) // self._copiers)
-        for k in range(0, len(build.held), share):
-            rows = build.held[k : k + share]
-            build.copying.append(self._pool.submit(copy_rows, build.staging, rows))
-        build.held = []
+        share = max(1, min(COPY_GROUP, COPY_BYTES // max(1, spec.nbytes)))
+        if len(build.held) == share * self._copiers:  # a share each
+            for k in range(0, len(build.held), share):
+                copy = Copy(build.staging, build.held[k : k + share])
+                self._pool.submit(copy.run)
+                build.copying.append(copy)
+            build.held = []
 
     def _copied(self, build: Build) -> None:
-        """Every written batch is in the staging."""
-        self._hand_over(build)
-        for copy in build.copying:
-            copy.result()
-        build.copying = []
+        """Every written batch is in the staging: those still held copied here, then each
+        copier's share waited for (on C locks: a Ctrl-C leaves nothing half done)."""
+        copy_rows(build.staging, build.held)
+        build.held = []
+        while build.copying:
+            build.copying[0].wait()
+            build.copying.pop(0)
 
     def pack(self, build: Build, spec: BatchSpec, steps: int) -> tuple[Any, int, bool]:
         self._copied(build)
@@ -222,16 +222,46 @@ def copy_rows(staging: list[np.ndarray], rows: list[tuple[int, list[np.ndarray]]
             buffer[i] = leaf
 
 
+class Copy:
+    """Rows to copy into ``staging`` (see :func:`copy_rows`), by a copier thread: :meth:`run`
+    there, :meth:`wait` for it -- on a plain lock, held until the rows are in, and a flag."""
+
+    def __init__(self, staging: list[np.ndarray], rows: list[tuple[int, list[np.ndarray]]]):
+        self._staging, self._rows = staging, rows
+        self._done, self._finished = threading.Lock(), False
+        self._done.acquire()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            copy_rows(self._staging, self._rows)
+        except BaseException as error:  # raised by wait(), in the thread that packs
+            self._error = error
+        finally:
+            self._finished = True
+            self._done.release()
+
+    def wait(self) -> None:
+        if not self._finished and self._done.acquire():
+            self._done.release()
+        if self._error is not None:
+            raise self._error
+
+
 @functools.cache
-def copy_pool(copiers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that copy batches into staging, shared by the sinks of ``copiers``."""
+def copy_pool(copiers: int, pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that copy batches into staging, shared by the sinks of ``copiers`` in
+    process ``pid`` (a forked child, whose copy of a pool has no threads, makes its own)."""
     return concurrent.futures.ThreadPoolExecutor(copiers, thread_name_prefix="sinkax-copier")
 
 
 def spare_copiers() -> int:
-    """Copier threads where cores are to spare: a quarter of this process's, at most 4 (none on
-    a machine of fewer than 8 cores, where they would take the compute's)."""
-    return min(4, len(os.sched_getaffinity(0)) // 4) if hasattr(os, "sched_getaffinity") else 0
+    """Copier threads where cores are to spare: a quarter of the cores this thread may run on,
+    at most 4, and none below 8 cores, where they would take the compute's."""
+    if not hasattr(os, "sched_getaffinity"):
+        return 0
+    cores = len(os.sched_getaffinity(0))
+    return 0 if cores < 8 else min(4, cores // 4)
 
 
 class Unstacked:
@@ -268,7 +298,7 @@ def of(feed: str, config: SinkConfig, keeps_batches: bool = False) -> Packer:
     ``ragged_last`` (see :class:`Unstacked`); copied by :func:`spare_copiers` threads where the
     source ``keeps_batches`` and device memory is not host memory."""
     if feed == "stacked":
-        off_host = not backend_of(next(iter(config.sharding.device_set))).host_is_device
+        off_host = not backend_of(config.sharding).host_is_device
         copiers = spare_copiers() if keeps_batches and off_host else 0
         return Stacked(placement.stacked(config.sharding), config.staging, copiers)
     return Unstacked(config.ragged_last)

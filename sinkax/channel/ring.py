@@ -245,10 +245,11 @@ class DeviceRing:
             taken = build is None or build.taken is not None
             if taken or not build.pieces or not self._ready.empty():
                 return None
-            build.taken = len(build.pieces)
             steps = sum(piece.steps for piece in build.pieces)
-            # rows past the pieces, copied before the slot can be reused
+            # rows past the pieces, copied before the slot can be reused (and before the build
+            # is marked taken: a Ctrl-C in the copy leaves the producer to go on with it)
             build.carry = [_Row(leaves) for leaves in self.packer.rows(build, steps)]
+            build.taken = len(build.pieces)
             return self._transfer(build)
 
     def first_spec(self, timeout: float) -> BatchSpec:

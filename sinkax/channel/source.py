@@ -180,7 +180,7 @@ class IterableSource:
         self.position = Position(0, 0)
         # a replay is checked against the saved run's batches, unless every pass is alike
         self._fingerprinted = not isinstance(dataset, Sequence)
-        self.keeps_batches = isinstance(dataset, Sequence)  # a list holds its batches
+        self.keeps_batches = isinstance(dataset, list | tuple)  # (a Sequence may make them)
         self._first: str | None = None  # fingerprint of this epoch's first batch
         self._last: Any = None  # the last batch read
 
