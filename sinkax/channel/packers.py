@@ -15,8 +15,8 @@
   runs again) -- unless the source keeps its batches (a list, a grain ``MapDataset``) and the
   device has memory of its own: then it holds them and hands them, in groups of up to
   :data:`COPY_GROUP` batches or :data:`COPY_BYTES` each, to :func:`spare_copiers` copier threads,
-  so that its own thread only reads and checks; the batches still held when the chunk goes out
-  (or a waiting call cuts it) are copied by the thread that packs it.
+  so that its own thread only reads and checks; when a waiting call cuts the chunk, it copies
+  the batches still held itself.
 * :class:`Unstacked` (``"unstacked"``, the ``"step"`` strategy's one-step calls on CPU): each
   batch is copied (a dataset may refill the arrays it yielded once it runs again, and the
   producer reads ahead), from :data:`ALIGN_FROM_BYTES` on into 64-byte aligned memory, and a
@@ -176,16 +176,24 @@ class Stacked:
             return
         build.held.append((build.filled, leaves))  # the source keeps them: copied later
         share = max(1, min(COPY_GROUP, COPY_BYTES // max(1, spec.nbytes)))
-        if len(build.held) == share * self._copiers:  # a share each
-            for k in range(0, len(build.held), share):
-                copy = Copy(build.staging, build.held[k : k + share])
-                self._pool.submit(copy.run)
-                build.copying.append(copy)
-            build.held = []
+        if len(build.held) == share * self._copiers:
+            self._hand_over(build, share)
 
-    def _copied(self, build: Build) -> None:
-        """Every written batch is in the staging: those still held copied here, then each
-        copier's share waited for (on C locks: a Ctrl-C leaves nothing half done)."""
+    def _hand_over(self, build: Build, share: int) -> None:
+        """The held batches to the copiers, ``share`` each (in the producer's thread, which
+        starts them, and so lends them its CPU binding)."""
+        for k in range(0, len(build.held), share):
+            copy = Copy(build.staging, build.held[k : k + share])
+            self._pool.submit(copy.run)
+            build.copying.append(copy)
+        build.held = []
+
+    def _copied(self, build: Build, by_copiers: bool) -> None:
+        """Every written batch is in the staging: those still held handed to the copiers
+        (``by_copiers``) or copied here, then the copies waited for (on plain locks: a Ctrl-C
+        leaves nothing half done)."""
+        if by_copiers and build.held:
+            self._hand_over(build, -(-len(build.held) // self._copiers))
         copy_rows(build.staging, build.held)
         build.held = []
         while build.copying:
@@ -193,7 +201,7 @@ class Stacked:
             build.copying.pop(0)
 
     def pack(self, build: Build, spec: BatchSpec, steps: int) -> tuple[Any, int, bool]:
-        self._copied(build)
+        self._copied(build, by_copiers=self._pool is not None)  # (a cut's rows: copied)
         # Executables see one chunk shape: a chunk with fewer batches than its slot holds (the
         # first, one cut short, the last) moves only its batches and is padded on the device,
         # except across processes, where every process moves its whole slot.
@@ -210,7 +218,7 @@ class Stacked:
         return data, sum(buffer.nbytes for buffer in rows), not whole
 
     def rows(self, build: Build, steps: int) -> list[list[np.ndarray]]:
-        self._copied(build)
+        self._copied(build, by_copiers=False)  # (in the consumer's thread: a cut)
         return [[np.array(b[i]) for b in build.staging] for i in range(steps, build.filled)]
 
 
