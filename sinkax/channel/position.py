@@ -37,6 +37,8 @@ _FIELDS = (*_REQUIRED, "epoch_length", "strategy", "call_steps")
 
 
 def _is_int(value: Any, least: int) -> bool:
+    if type(value) is int:  # the usual case, without the slower check of the abstract class
+        return value >= least
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
 
 
@@ -68,7 +70,7 @@ class DataPosition:
         if not _is_int(self.step, 0):
             allowed = "an int >= 0 (the step within the epoch of the next batch)"
             raise _field_error("step", allowed, self.step)
-        if not isinstance(self.source, Mapping):
+        if type(self.source) is not dict and not isinstance(self.source, Mapping):
             raise _field_error("source", "a dict (the dataset's own state)", self.source)
         if self.epoch_length is not None and not _is_int(self.epoch_length, 1):
             allowed = "an int >= 1 (batches per epoch) or absent"
