@@ -5,7 +5,9 @@ For each sink size: steps/s of the sink, of a sink of the same data whose step d
 hand-written window loop over one chunk already on the device (``lax.scan`` of ``size`` steps
 from a device position: what a sink call computes, without its data path), of the sink timed
 once its producer had 2 s to prepare ``prefetch`` chunks ahead ("data prepared ahead": its
-calls' own cost, the data path out of the way), and the sink's ``data_wait_s``/``slot_wait_s``;
+calls' own cost, the data path out of the way), of the sink timed once its producer had read
+every batch the timed calls need and was parked inside the dataset ("producer parked": no
+producer or copier beside the calls at all), and the sink's ``data_wait_s``/``slot_wait_s``;
 how long such a window's call takes to return made at once after its chunk's ``device_put`` and
 once the chunk is there (whether a launch waits for a transfer in flight). Then the frames the
 main thread and the producer thread were in, sampled every millisecond while the sink ran (the
@@ -72,18 +74,44 @@ class Sampler:
         self._thread.join()
 
 
+class Parked:
+    """``batches`` over and over, one pass an epoch; the reader parked inside the dataset (no
+    interpreter lock held) once it has read ``limit`` batches, until the timing is done."""
+
+    def __init__(self, batches, limit):
+        self.batches, self.limit, self.read = batches, limit, 0
+        self.parked, self.done = threading.Event(), threading.Event()
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            if self.read == self.limit:
+                self.parked.set()
+                self.done.wait()
+            self.read += 1
+            yield batch
+
+
 def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False, **options):
     """Steps/s of a new sink (of ``data_sink`` ``options``) over ``calls`` timed calls, its
     stats, and the sampler; with ``prefilled``, the timing starts 2 s after the warm calls: time
-    for the producer to fill its free slots (``prefetch`` chunks) first."""
+    for the producer to fill its free slots (``prefetch`` chunks) first; with ``"parked"``, the
+    timing starts once the producer has read every batch the calls need (and a few chunks
+    more) and is parked in the dataset: the calls' own cost, no producer beside them."""
     state = fresh(w.init())
-    with sinkax.data_sink(
-        step, w.batches, size, strategy="scan", prefetch=prefetch, **options
-    ) as sink:
+    data = w.batches
+    if prefilled == "parked":  # 3 warm calls, the timed ones, 2 chunks' worth more
+        data = Parked(w.batches, (3 + calls) * size + 2 * max(size, 64))
+        prefetch = min(64, data.limit // max(size, 64) + 3)
+    with sinkax.data_sink(step, data, size, strategy="scan", prefetch=prefetch, **options) as sink:
         for _ in range(3):
             state, metrics = sink(state)
         jax.block_until_ready(metrics)
-        if prefilled:
+        if prefilled == "parked":
+            data.parked.wait(30.0)
+        elif prefilled:
             time.sleep(2.0)
         sampler = Sampler() if sample else None
         t0 = time.perf_counter()
@@ -92,6 +120,8 @@ def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False, *
                 state, metrics = sink(state)
             jax.block_until_ready(metrics)
         seconds = time.perf_counter() - t0
+        if prefilled == "parked":
+            data.done.set()
         return calls * size / seconds, sink.stats, sampler
 
 
@@ -168,11 +198,13 @@ def main(argv=None):
         prefetch = min(16, max(2, 1024 // size))  # chunks of at least 64 steps
         ahead = max(2, prefetch * 64 // size)  # calls that the prepared chunks hold
         filled, _, _ = sink_rate(w.step, w, size, ahead, prefetch=prefetch, prefilled=True)
+        parked, _, _ = sink_rate(w.step, w, size, max(2, 1000 // size), prefilled="parked")
         in_flight, landed = call_after_put(w, size)
         print(
             f"\nsink {size}: {rate:.0f} steps/s; idle step {idle_rate:.0f} (staged in pinned "
             f"memory {idle_pinned:.0f}); device windows "
-            f"{bound:.0f}; data prepared ahead {filled:.0f}; data_wait_s "
+            f"{bound:.0f}; data prepared ahead {filled:.0f}; producer parked {parked:.0f}; "
+            f"data_wait_s "
             f"{stats.data_wait_s:.3f} slot_wait_s {stats.slot_wait_s:.3f} chunks "
             f"{stats.chunks_transferred}\n  window call returns after {in_flight * 1e6:.0f} us "
             f"just after its chunk's device_put, {landed * 1e6:.0f} us once the chunk is there"
