@@ -53,22 +53,28 @@ def call_sizes(
 
 
 def plan_chunks(
-    calls: Iterator[int], max_steps: int, min_steps: int = MIN_CHUNK_STEPS
+    calls: Iterator[int], max_steps: int, min_steps: int = MIN_CHUNK_STEPS, alike: bool = False
 ) -> Iterator[Layout]:
     """Chunk layouts, each a list of ``(steps, ends_call)`` pieces, for a stream of calls.
 
     Whole calls share a chunk (one transfer) until it holds ``min_steps``, never more than
-    ``max_steps``; a call longer than ``max_steps`` is split over several chunks.
+    ``max_steps``; a call longer than ``max_steps`` is split over several chunks. With
+    ``alike``, a chunk holds calls of one size only.
 
     >>> from itertools import islice, repeat
     >>> list(islice(plan_chunks(repeat(5), max_steps=12, min_steps=8), 2))
     [[(5, True), (5, True)], [(5, True), (5, True)]]
     >>> list(islice(plan_chunks(repeat(5), max_steps=2), 3))
     [[(2, False)], [(2, False)], [(1, True)]]
+    >>> list(plan_chunks(iter([2, 2, 4, 4]), max_steps=12, min_steps=8, alike=True))
+    [[(2, True), (2, True)], [(4, True), (4, True)]]
     """
     chunk: list[tuple[int, bool]] = []
     filled = 0  # steps in `chunk`
     for steps in calls:
+        if alike and chunk and steps != chunk[-1][0]:
+            yield chunk
+            chunk, filled = [], 0
         if steps > max_steps:
             if chunk:
                 yield chunk
@@ -108,7 +114,9 @@ def plan(
     """The chunk layouts of a sink's ``calls`` and ``steps`` (endless if ``None``, see
     :func:`call_sizes`) from position ``start`` on (see :func:`plan_chunks`): whole calls
     grouped up to :data:`MIN_CHUNK_STEPS` steps or :data:`MIN_CHUNK_BYTES`, whichever comes
-    first; or, without ``group``, one piece per chunk.
+    first; or, without ``group``, one piece per chunk. ``sink_size="auto"``'s granules (powers
+    of two) are grouped with their like, up to a power of two of steps: its chunks then come in
+    few shapes -- each shape's executables are compiled anew -- as its granules grow.
 
     Across processes chunks are not grouped: a waiting consumer takes the complete pieces of the
     chunk being built (see :class:`~sinkax.channel.ring.DeviceRing`), which would make chunk
@@ -117,4 +125,7 @@ def plan(
     """
     sizes = call_sizes(sink_size, epoch_length, start.step, calls, steps)
     min_steps = min(MIN_CHUNK_STEPS, chunk_steps(MIN_CHUNK_BYTES, spec)) if group else 1
-    return plan_chunks(sizes, chunk_steps(max_chunk_bytes, spec), min_steps)
+    auto = callable(sink_size)
+    if auto:  # a power of two (at most the bound): whole granules fill it exactly
+        min_steps = 1 << (min_steps.bit_length() - 1)
+    return plan_chunks(sizes, chunk_steps(max_chunk_bytes, spec), min_steps, alike=auto)
