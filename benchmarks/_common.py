@@ -118,6 +118,13 @@ def median_rate(run: Callable[[], int | tuple[int, float, int]], repeats: int) -
     return statistics.median(rates)
 
 
+def use_device(name: str | None) -> None:
+    """Make the first device of platform ``name`` (``"cpu"``, ``"gpu"``) JAX's default, if
+    given (``jax_platforms="gpu"`` would also ask for ROCm on a CUDA machine, and fail)."""
+    if name:
+        jax.config.update("jax_default_device", jax.devices(name)[0])
+
+
 def machine() -> dict[str, str]:
     """JAX version, backend, device and CPU model: where the figures were taken."""
     cpu = platform.processor()

@@ -24,7 +24,7 @@ import time
 
 import grain
 import jax
-from _common import fresh, machine, save, table, workload
+from _common import fresh, machine, save, table, use_device, workload
 
 import sinkax
 
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.calls <= SETTLING:
         parser.error(f"--calls must be more than the {SETTLING} calls that settle")
-    if args.device:
-        jax.config.update("jax_platforms", args.device)
+    use_device(args.device)
     rows = [
         row
         for name in args.workloads

@@ -22,7 +22,7 @@ import statistics
 import sys
 
 import jax
-from _common import RESULTS, machine, median_rate, save, table, workload
+from _common import RESULTS, machine, median_rate, save, table, use_device, workload
 from sink_sizes import device_scan, sinkax_run
 
 MODES = {
@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sink_size % EVERY:
         parser.error(f"--sink-size must be a multiple of {EVERY}, the steps per report")
-    if args.device:  # ("gpu": jax_platforms would ask for ROCm too)
-        jax.config.update("jax_default_device", jax.devices(args.device)[0])
+    use_device(args.device)
     rows = measure(args.workload, args.steps, args.sink_size, args.repeats)
     print(f"{args.workload}, sink {args.sink_size}  ({machine()['device']}, jax {jax.__version__})")
     print(table(rows, ["mode", "steps/s", "x base"]))

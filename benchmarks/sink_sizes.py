@@ -39,7 +39,7 @@ import time
 
 import jax
 import numpy as np
-from _common import fresh, machine, median_rate, save, table, workload
+from _common import fresh, machine, median_rate, save, table, use_device, workload
 
 import sinkax
 
@@ -411,8 +411,7 @@ def main(argv=None):
         "--affinity", action="store_true", help="sinkax.set_cpu_affinity(True) for the whole run"
     )
     args = parser.parse_args(argv)
-    if args.device:
-        jax.config.update("jax_platforms", args.device)
+    use_device(args.device)
     if args.affinity:
         print("set_cpu_affinity:", sinkax.set_cpu_affinity(True))
     # (steps per repeat, batches per epoch)
