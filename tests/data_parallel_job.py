@@ -111,6 +111,11 @@ def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
                 state, outs = sink(state)
                 seen = multihost_utils.process_allgather(outs["ids"], tiled=True)
                 ids.extend(np.asarray(seen).ravel().tolist())
+                if args.stop_at is not None:  # every process is through this collective
+                    # before one is stopped or killed there (a kill within it fails the
+                    # others' part of this job's own collective at once, not a sink's)
+                    client = sinkax.compat.coordination_client()
+                    client.wait_at_barrier(f"job/{calls}/call{call}", 60_000)
             data_state = sink.data_state()
             result["strategy"] = sink.stats.strategy
             result["chunks"] = sink.stats.chunks_transferred
