@@ -163,8 +163,11 @@ class Stacked:
         self._pad = jax.jit(padded, static_argnums=1, out_shardings=sharding)
         self._copiers = copiers
         self._pool = copy_pool(copiers, os.getpid()) if copiers else None
+        self._share = COPY_GROUP  # batches each copier gets at once (see allocate)
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
+        # (here, not per batch: the spec's bytes are summed leaf by leaf)
+        self._share = max(1, min(COPY_GROUP, COPY_BYTES // max(1, spec.nbytes)))
         shapes = [((steps, *leaf.shape), leaf.dtype) for leaf in spec.device_leaves]
         if self._staging is None:
             return [aligned_zeros(shape, dtype) for shape, dtype in shapes]
@@ -175,9 +178,8 @@ class Stacked:
             copy_rows(build.staging, [(build.filled, leaves)])
             return
         build.held.append((build.filled, leaves))  # the source keeps them: copied later
-        share = max(1, min(COPY_GROUP, COPY_BYTES // max(1, spec.nbytes)))
-        if len(build.held) == share * self._copiers:
-            self._hand_over(build, share)
+        if len(build.held) == self._share * self._copiers:
+            self._hand_over(build, self._share)
 
     def _hand_over(self, build: Build, share: int) -> None:
         """The held batches to the copiers, ``share`` each (in the producer's thread, which
