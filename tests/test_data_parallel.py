@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import kubernetes_api
 import pytest
 from data_parallel_job import BATCH, EPOCH
 
@@ -214,13 +215,15 @@ def test_processes_at_random_speeds_soak(job):
     soak(job, calls=500, seed=2)
 
 
-def start(tmp_path, environments: list[dict[str, str]], *args: str) -> tuple[list, list, Path]:
-    """Run the job as one process per environment (as a cluster's launcher starts them);
-    each one's exit code and the time (``time.monotonic()``) it was seen to end by, and the
-    folder of their results."""
+def start(
+    tmp_path, environments: list[dict[str, str]], *args: str, wrap=list
+) -> tuple[list, list, Path]:
+    """Run the job as one process per environment (as a cluster's launcher starts them), its
+    command line passed through ``wrap``; each one's exit code and the time
+    (``time.monotonic()``) it was seen to end by, and the folder of their results."""
     out = tmp_path / "cluster"
     out.mkdir()
-    script = [sys.executable, str(JOB), "--out", str(out), "--initialize", *args]
+    script = wrap([sys.executable, str(JOB), "--out", str(out), "--initialize", *args])
     children, exited = [], []
     for i, extra in enumerate(environments):
         log = open(tmp_path / f"process{i}.log", "w")  # noqa: SIM115 (closed by the OS)
@@ -239,11 +242,12 @@ def start(tmp_path, environments: list[dict[str, str]], *args: str) -> tuple[lis
     return [child.returncode for child in children], exited, out
 
 
-def cluster(tmp_path, environments: list[dict[str, str]], *args: str) -> list[dict]:
+def cluster(tmp_path, environments: list[dict[str, str]], *args: str, wrap=list) -> list[dict]:
     """Every process's result of the job run as one process per environment, each with 2
     forced devices; all must succeed."""
     devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    codes, _, out = start(tmp_path, [{**env, **devices} for env in environments], *args)
+    environments = [{**env, **devices} for env in environments]
+    codes, _, out = start(tmp_path, environments, *args, wrap=wrap)
     logs = [(tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(len(codes))]
     assert codes == [0] * len(codes), logs
     return [json.loads((out / f"{i}.json").read_text()) for i in range(len(codes))]
@@ -291,6 +295,29 @@ def test_two_processes_start_as_torchrun_starts_them(tmp_path):
     environments = [{**torchrun, "RANK": str(i), "LOCAL_RANK": str(i)} for i in range(2)]
     results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3")
     check_training(results, steps=6, devices=4, processes=2)
+
+
+@pytest.mark.parametrize("jobset", [None, "run"])
+def test_two_processes_start_as_a_kubernetes_indexed_job_starts_them(tmp_path, jobset):
+    # two pods of an indexed Job (or of a JobSet's Job) at 127.0.0.1: jax finds the process count
+    # and the coordinator through the API, the process id in JOB_COMPLETION_INDEX
+    if (reason := kubernetes_api.unavailable()) is not None:
+        pytest.skip(reason)
+    job = "run-workers-0" if jobset else "train"
+    coordinator = f"{job}-0.{jobset or 'jaxpods'}"
+    with kubernetes_api.api_server(tmp_path, job, parallelism=2, jobset=jobset) as (port, asked):
+        pod = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
+        pod |= {"HOSTNAME": socket.gethostname(), "JAX_COORDINATOR_PORT": str(launch.free_port())}
+        environments = [{**pod, "JOB_COMPLETION_INDEX": str(i)} for i in range(2)]
+
+        def wrap(command):
+            return kubernetes_api.pod_command(tmp_path, coordinator, command)
+
+        results = cluster(tmp_path, environments, "--calls", "2", "--sink-size", "3", wrap=wrap)
+    check_training(results, steps=6, devices=4, processes=2)
+    namespace = f"/namespaces/{kubernetes_api.NAMESPACE}/"
+    assert f"/apis/batch/v1{namespace}jobs/{job}" in asked
+    assert f"/api/v1{namespace}pods?fieldSelector=status.podIP%3D127.0.0.1" in asked
 
 
 @pytest.mark.parametrize("devices", [4, 1])
