@@ -23,8 +23,9 @@ the next. Parts:
                jax.debug.callback in a hand-written scan (benchmarks/live_costs.py)
   profile-mlp  where the MLP sinks' host time goes, per thread, beside the rates that bound
                them: with a step that does nothing, over one chunk on the device, with the
-               data prepared ahead; and whether a window's launch waits for its chunk's
-               transfer (benchmarks/host_profile.py)
+               data prepared ahead, the producer parked, a 0.1 ms switch interval; and
+               whether a window's launch waits for its chunk's transfer
+               (benchmarks/host_profile.py)
 
 Files under $OUT (default ./gpu_check_out): summary.txt, env.txt, tests.log, bench.log,
 gpu_sink_sizes.json, gpu_sink_sizes.png (bench.log has live-mlp's table too), plugin.log,

@@ -7,7 +7,9 @@ from a device position: what a sink call computes, without its data path), of th
 once its producer had 2 s to prepare ``prefetch`` chunks ahead ("data prepared ahead": its
 calls' own cost, the data path out of the way), of the sink timed once its producer had read
 every batch the timed calls need and was parked inside the dataset ("producer parked": no
-producer or copier beside the calls at all), and the sink's ``data_wait_s``/``slot_wait_s``;
+producer or copier beside the calls at all), of the sink with the interpreter's switch interval
+at 0.1 ms instead of 5 ms ("switch every 0.1 ms": if the calls wait for the interpreter lock
+that the producer holds, they wait less), and the sink's ``data_wait_s``/``slot_wait_s``;
 how long such a window's call takes to return made at once after its chunk's ``device_put`` and
 once the chunk is there (whether a launch waits for a transfer in flight). Then the frames the
 main thread and the producer thread were in, sampled every millisecond while the sink ran (the
@@ -125,6 +127,17 @@ def sink_rate(step, w, size, calls, sample=False, prefetch=2, prefilled=False, *
         return calls * size / seconds, sink.stats, sampler
 
 
+@contextlib.contextmanager
+def switch_interval(seconds: float):
+    """The interpreter's thread switch interval set to ``seconds`` meanwhile."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def host_chunk(w, size):
     """A chunk of ``max(size, 100)`` batches, stacked on the host."""
     batches = [w.batches[i % len(w.batches)] for i in range(max(size, 100))]
@@ -199,11 +212,14 @@ def main(argv=None):
         ahead = max(2, prefetch * 64 // size)  # calls that the prepared chunks hold
         filled, _, _ = sink_rate(w.step, w, size, ahead, prefetch=prefetch, prefilled=True)
         parked, _, _ = sink_rate(w.step, w, size, max(2, 1000 // size), prefilled="parked")
+        with switch_interval(1e-4):
+            switching, _, _ = sink_rate(w.step, w, size, calls)
         in_flight, landed = call_after_put(w, size)
         print(
             f"\nsink {size}: {rate:.0f} steps/s; idle step {idle_rate:.0f} (staged in pinned "
             f"memory {idle_pinned:.0f}); device windows "
             f"{bound:.0f}; data prepared ahead {filled:.0f}; producer parked {parked:.0f}; "
+            f"switch every 0.1 ms {switching:.0f}; "
             f"data_wait_s "
             f"{stats.data_wait_s:.3f} slot_wait_s {stats.slot_wait_s:.3f} chunks "
             f"{stats.chunks_transferred}\n  window call returns after {in_flight * 1e6:.0f} us "

@@ -44,6 +44,7 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
         r"sink 10: \d+ steps/s; idle step \d+ \(staged in pinned memory \d+\); device windows \d+"
     )
     assert re.search(rates, profile)
+    assert re.search(r"producer parked \d+; switch every 0.1 ms \d+;", profile)
     assert re.search(r"window call returns after \d+ us just after its chunk's device_put", profile)
     assert "thread sinkax-producer" in profile and "thread MainThread" in profile
     live = (tmp_path / "bench.log").read_text().split("=== live-mlp")[1]
