@@ -6,8 +6,9 @@ jax detects an indexed Job (or a JobSet's) only through the Kubernetes API, from
 process count), ``JOB_COMPLETION_INDEX`` (the process id), and the coordinator's name
 ``<job>-0.<subdomain>`` resolved by DNS (``HOSTNAME`` is the pod's host name).
 :func:`api_server` answers the two API requests jax makes, over TLS; :func:`pod_command` runs a
-command in a private mount namespace where the service account's files and ``/etc/hosts`` are
-those a kubelet would mount into the Job's pod. Every process of the Job is a pod at 127.0.0.1.
+command in a private mount namespace (as root, or as root of a user namespace of its own) where
+the service account's files and ``/etc/hosts`` are those a kubelet would mount into the Job's
+pod. Every process of the Job is a pod at 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -29,22 +30,38 @@ NAMESPACE = "training"
 SERVICE_ACCOUNT = "secrets/kubernetes.io/serviceaccount"
 
 
+# a mount namespace of its own: as root, else as root of a user namespace of its own
+UNSHARE = (
+    ["unshare", "--mount", "--propagation", "private"],
+    ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"],
+)
+
+
+def private_mounts() -> list[str] | None:
+    """The first of :data:`UNSHARE` that works here, or ``None``."""
+    for command in UNSHARE:
+        if subprocess.run([*command, "true"], capture_output=True).returncode == 0:
+            return command
+    return None
+
+
 def unavailable() -> str | None:
     """Why this machine cannot stand in for a pod here, or ``None`` when it can."""
     for tool in ("openssl", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"no {tool} on this machine"
-    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
-    if probe.returncode != 0:
-        return f"no private mount namespace here: {probe.stderr.decode().strip()}"
+    if private_mounts() is None:
+        return "no private mount namespace here (unshare --mount, also in a user namespace)"
     return None
 
 
 def job_objects(job: str, parallelism: int, jobset: str | None) -> tuple[dict, dict]:
     """The pod and the Job the API returns: an indexed Job whose pods run under a headless
-    service's subdomain; a JobSet's Job carries the JobSet's label, and its name is the
-    subdomain."""
-    subdomain = jobset or "jaxpods"
+    service's subdomain; a JobSet's Job carries the JobSet's label, from which jax takes the
+    subdomain (its pods have none here, so only jax's JobSet path finds the coordinator)."""
+    spec = {"containers": [{"name": "train", "image": "train"}]}
+    if jobset is None:
+        spec["subdomain"] = "jaxpods"
     labels = {"job-name": job}
     pod = {
         "apiVersion": "v1",
@@ -63,7 +80,7 @@ def job_objects(job: str, parallelism: int, jobset: str | None) -> tuple[dict, d
                 }
             ],
         },
-        "spec": {"containers": [{"name": "train", "image": "train"}], "subdomain": subdomain},
+        "spec": spec,
         "status": {"podIP": "127.0.0.1"},
     }
     job_labels = {} if jobset is None else {"jobset.sigs.k8s.io/jobset-name": jobset}
@@ -144,4 +161,4 @@ def pod_command(folder: Path, coordinator: str, command: list[str]) -> list[str]
         f" && mount --bind {shlex.quote(str(hosts))} /etc/hosts"
     )
     inner = f"{mounts} && exec {shlex.join(command)}"
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner]
+    return [*(private_mounts() or UNSHARE[0]), "sh", "-c", inner]

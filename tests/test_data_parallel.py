@@ -215,6 +215,25 @@ def test_processes_at_random_speeds_soak(job):
     soak(job, calls=500, seed=2)
 
 
+CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "KUBERNETES_", "JAX_COORDINATOR_")
+CLUSTER_NAMES = {"JOB_COMPLETION_INDEX", "SINKAX_PROCESS_ID", "SINKAX_NUM_PROCESSES"}
+CLUSTER_NAMES |= {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+PROXIES = {"http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy", "no_grpc_proxy"}
+
+
+def unclustered(environ) -> dict[str, str]:
+    """``environ`` without the variables of any cluster launcher jax or sinkax detects (one the
+    test runs in must not stand in for the one a test starts) and without proxies (the job's
+    processes, and the Kubernetes API, are on this machine)."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if not name.startswith(CLUSTER_PREFIXES)
+        and name not in CLUSTER_NAMES
+        and name.lower() not in PROXIES
+    }
+
+
 def start(
     tmp_path, environments: list[dict[str, str]], *args: str, wrap=list
 ) -> tuple[list, list, Path]:
@@ -227,9 +246,8 @@ def start(
     children, exited = [], []
     for i, extra in enumerate(environments):
         log = open(tmp_path / f"process{i}.log", "w")  # noqa: SIM115 (closed by the OS)
-        children.append(
-            subprocess.Popen(script, env={**os.environ, **extra}, stdout=log, stderr=log)
-        )
+        env = {**unclustered(os.environ), **extra}
+        children.append(subprocess.Popen(script, env=env, stdout=log, stderr=log))
     try:
         for child in children:
             child.wait(timeout=LIMIT_S)
