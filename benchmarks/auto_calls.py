@@ -2,14 +2,20 @@
 the first 3 calls, each within +-30 % of it), on an endless dataset, so that no epoch's end cuts
 a call short.
 
-For each workload and target, a first auto sink runs until its sizes settle (compiling the
-executables of the granules on its way; later sinks of the same step share them); then, each
-timed call by call (from its start to the end of its compute), a *fresh* sink, starting at one
-step as every new sink does, and a *resumed* one, from the first one's data position (at the
-size it reached). The table gives, per run, the calls' median seconds against the target, the
-share of the calls after the first 3 within +-30 %, the sizes the sink chose and the calls that
-compiled (a fresh sink may meet a granule size the first one skipped); the plot each call's
-seconds over the target.
+For each workload and target, each timed call by call (from its start to the end of its
+compute): a *cold* sink, of a step no sink has run (every compile in its calls, as a user's
+first sink meets them); then a first auto sink runs until its sizes settle (compiling the
+executables of the granules on its way; later sinks of the same step share them), and a *fresh*
+sink, starting at one step as every new sink does, and a *resumed* one, from the first one's
+data position (at the size it reached). The table gives, per run, the calls' median seconds
+against the target, the share of the calls after the first 3 within +-30 %, the sizes the sink
+chose and the calls that compiled; the plot each call's seconds over the target.
+
+Then the first calls cold (the issue's other target: an auto sink's first 3 calls together no
+slower than 3 calls of the best fixed size measured cold): the seconds of the cold auto sink's
+creation and first 3 calls, and of those of new sinks of fixed sizes 10, 100 and 1000, each of
+a step no sink has run (the strategy measured as by default), with the steps/s of 3 calls after
+them; the best fixed size is the one of the highest steps/s there.
 
     python benchmarks/auto_calls.py                              # MLP and LeNet5, 0.1 and 0.5 s
     python benchmarks/auto_calls.py --workloads mlp --targets 0.05 --calls 8   # a smoke run
@@ -30,6 +36,7 @@ import sinkax
 
 TOLERANCE = 0.3  # a call within +-30 % of call_seconds
 SETTLING = 3  # the first calls, not held to it
+COLD_SIZES = (10, 100, 1000)  # the fixed sizes an auto sink's cold first calls are compared with
 
 
 def endless(batches) -> grain.MapDataset:
@@ -37,12 +44,25 @@ def endless(batches) -> grain.MapDataset:
     return grain.MapDataset.source(batches).repeat(None)
 
 
-def timed_calls(w, target: float, calls: int, data_state=None) -> dict:
-    """``calls`` calls of a new auto sink of ``target`` (from ``data_state`` if given): each
-    one's seconds, the sizes, the calls that compiled and the sink's data position after."""
+def new_step(w):
+    """``w``'s step as a function no sink has run: jax and sinkax have compiled nothing for it."""
+
+    def step(state, batch):
+        return w.step(state, batch)
+
+    return step
+
+
+def timed_calls(w, size, calls: int, target: float = 1.0, data_state=None, step=None) -> dict:
+    """``calls`` calls of a new sink of ``size`` (``"auto"``: of ``target`` seconds, from
+    ``data_state`` if given) of ``step`` (default ``w.step``): the seconds its creation took,
+    each call's seconds and steps, the calls that compiled and the sink's data position
+    after."""
     state, seconds, compiled = fresh(w.init()), [], []
-    options = {"call_seconds": target, "data_state": data_state}
-    with sinkax.data_sink(w.step, endless(w.batches), "auto", **options) as sink:
+    options = {"call_seconds": target, "data_state": data_state} if size == "auto" else {}
+    t0 = time.perf_counter()
+    with sinkax.data_sink(step or w.step, endless(w.batches), size, **options) as sink:
+        created = time.perf_counter() - t0
         for call in range(calls):
             compiles = sink.stats.compiles
             t0 = time.perf_counter()
@@ -52,20 +72,24 @@ def timed_calls(w, target: float, calls: int, data_state=None) -> dict:
             if sink.stats.compiles > compiles:
                 compiled.append(call + 1)
         return {
+            "created": created,
             "seconds": seconds,
-            "sizes": list(sink.stats.call_sizes),
+            "sizes": list(sink.stats.call_sizes or [size] * calls),
             "compiled": compiled,
             "data_state": sink.data_state(),
         }
 
 
 def run(name: str, target: float, calls: int) -> list[dict]:
-    """The rows of a fresh and a resumed sink of ``target`` (see the module docstring)."""
+    """The rows of a cold, a fresh and a resumed sink of ``target`` (see the module
+    docstring)."""
     w = workload(name, 250)
-    settled = timed_calls(w, target, 12)["data_state"]
+    runs = {"cold": timed_calls(w, "auto", calls, target, step=new_step(w))}
+    settled = timed_calls(w, "auto", 12, target)["data_state"]
+    runs["fresh"] = timed_calls(w, "auto", calls, target)
+    runs["resumed"] = timed_calls(w, "auto", calls, target, data_state=settled)
     rows = []
-    for start, data_state in (("fresh", None), ("resumed", settled)):
-        timed = timed_calls(w, target, calls, data_state)
+    for start, timed in runs.items():
         ratios = [s / target for s in timed["seconds"][SETTLING:]]
         within = sum(abs(r - 1) <= TOLERANCE for r in ratios)
         rows.append(
@@ -79,9 +103,46 @@ def run(name: str, target: float, calls: int) -> list[dict]:
                 "sizes": " ".join(map(str, timed["sizes"])),
                 "compiled": " ".join(map(str, timed["compiled"])) or "-",
                 "seconds": timed["seconds"],
+                "first calls s": timed["created"] + sum(timed["seconds"][:SETTLING]),
             }
         )
     return rows
+
+
+def first_calls(name: str, rows: list[dict]) -> list[dict]:
+    """The cold first calls of the fixed sizes, and of the cold auto sinks of ``rows`` with
+    the best fixed size's seconds over theirs (see the module docstring)."""
+    w = workload(name, 250)
+    fixed = []
+    for size in COLD_SIZES:
+        timed = timed_calls(w, size, 2 * SETTLING, step=new_step(w))
+        later = sum(timed["seconds"][SETTLING:])
+        fixed.append(
+            {
+                "workload": name,
+                "sink": size,
+                "first calls s": timed["created"] + sum(timed["seconds"][:SETTLING]),
+                "steps": SETTLING * size,
+                "then steps/s": SETTLING * size / later,
+            }
+        )
+    best = max(fixed, key=lambda row: row["then steps/s"])
+    autos = []
+    for row in rows:
+        if row["workload"] == name and row["start"] == "cold":
+            sizes = [int(size) for size in row["sizes"].split()]
+            autos.append(
+                {
+                    "workload": name,
+                    "sink": "auto",
+                    "call_seconds": row["call_seconds"],
+                    "first calls s": row["first calls s"],
+                    "steps": sum(sizes[:SETTLING]),
+                    "best fixed": best["sink"],
+                    "best fixed / auto": best["first calls s"] / row["first calls s"],
+                }
+            )
+    return fixed + autos
 
 
 def draw(rows):
@@ -123,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["workload", "call_seconds", "start", "median x target", "within +-30 %", "sizes"]
     columns.append("compiled")
     print(table(rows, columns))
+    firsts = [row for name in args.workloads for row in first_calls(name, rows)]
+    print(f"\nfirst {SETTLING} calls, cold (compiles included)")
+    columns = ["workload", "sink", "call_seconds", "first calls s", "steps", "then steps/s"]
+    print(table(firsts, [*columns, "best fixed", "best fixed / auto"]))
     for row in rows:
         verdict = "PASS" if row["share within"] == 1 else "MISS"
         print(
@@ -130,7 +195,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['within +-30 %']} "
             f"calls after the first {SETTLING} within +-{TOLERANCE:.0%} (target: all)"
         )
-    save("auto_calls", {"rows": rows, **vars(args)}, draw(rows))
+    for row in firsts:
+        if row["sink"] == "auto":
+            verdict = "PASS" if row["best fixed / auto"] >= 1 else "MISS"
+            print(
+                f"  {verdict}  {row['workload']} at {row['call_seconds']} s: the first "
+                f"{SETTLING} calls, cold, {row['best fixed / auto']:.2f}x as fast as sink "
+                f"{row['best fixed']}'s (target >= 1.0x)"
+            )
+    save("auto_calls", {"rows": rows, "first_calls": firsts, **vars(args)}, draw(rows))
     return 0
 
 
