@@ -183,9 +183,9 @@ class Sink:
         would choose, with the same strategy, so that a resumed run computes what the
         uninterrupted one did, bit for bit. With a dataset of known length it also holds
         ``"epoch_length"``: a resume onto another length is refused. A ``sink_size="auto"``
-        sink records the steps per call it has reached (``"call_steps"``): a resumed one
-        continues at that size. It is :attr:`position`'s
-        :meth:`~sinkax.channel.position.DataPosition.to_dict`.
+        sink records the steps per call it has reached and its granule (``"call_steps"``,
+        ``"call_granule"``): a resumed one continues at that size, in that granule. It is
+        :attr:`position`'s :meth:`~sinkax.channel.position.DataPosition.to_dict`.
         """
         return self.position.to_dict()
 

@@ -17,6 +17,7 @@ from conftest import (
 
 import sinkax
 from sinkax.channel import sizing
+from sinkax.channel.position import DataPosition
 from sinkax.channel.source import Position
 
 MID_EPOCH = Position(0, 5)
@@ -56,6 +57,23 @@ def test_growth_is_bounded_per_call_and_by_the_epoch():
     assert sizer.granule() == 3000  # the whole epoch: each call is one window
     sizer.target = 2999
     assert sizer.granule() == 256  # else a power of two, at most an eighth of the target
+
+
+def test_a_drifting_target_keeps_its_granule_and_a_far_one_changes_it():
+    sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=None, target=4096)
+    assert sizer.granule() == 512
+    granules = []
+    for target in (4600, 3000, 2100, 8000, 16384, 2047, 16385):  # 512 x 4 to 512 x 32
+        sizer.target = target
+        granules.append(sizer.granule())
+    # 2047 < 4 x 512: a new one (2047 / 8 -> 128); 16385 > 32 x 128: a new one again
+    assert granules == [512, 512, 512, 512, 512, 128, 2048]
+    # a resumed sizer plans in the granule of the position it resumes from
+    resumed = sizing.CallSizer(call_seconds=1.0, epoch_length=None)
+    resumed.restore(DataPosition(0, 0, {}, call_steps=3000, call_granule=256))
+    assert (resumed.target, resumed.granule()) == (3000, 256)  # anew: 3000 / 8 -> 256 too
+    resumed.restore(DataPosition(0, 0, {}, call_steps=4600, call_granule=256))
+    assert resumed.granule() == 256  # anew it would be 512
 
 
 def test_a_call_ends_at_its_target_or_at_an_epochs_end():

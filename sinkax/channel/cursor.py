@@ -137,11 +137,11 @@ class Cursor:
 
     @property
     def position(self) -> DataPosition:
-        """The committed position (see ``Sink.data_state``), with ``sink_size="auto"``'s target
-        steps per call (``call_steps``)."""
+        """The committed position (``Sink.data_state``), with an auto sink's size and granule."""
         if self.sizer is None:
             return self._committed
-        return dataclasses.replace(self._committed, call_steps=self.sizer.target)
+        sized = {"call_steps": self.sizer.target, "call_granule": self.sizer.kept_granule}
+        return dataclasses.replace(self._committed, **sized)
 
     def first_spec(self) -> BatchSpec:
         """The layout of every batch, waiting up to ``timeout`` for the first."""

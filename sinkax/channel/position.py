@@ -3,7 +3,7 @@
 A :class:`DataPosition` is the epoch and step of the next batch, the source's own state (see
 :class:`~sinkax.channel.source.Source`), the epoch length when known (a resume onto another is
 refused), the strategy that ran, once ``"auto"`` chose one, and a ``sink_size="auto"`` sink's
-steps per call (see :mod:`sinkax.channel.sizing`). ``Sink.data_state()`` is its
+steps per call and granule (see :mod:`sinkax.channel.sizing`). ``Sink.data_state()`` is its
 :meth:`~DataPosition.to_dict`, JSON-friendly; :meth:`~DataPosition.from_dict` reads that back
 (dicts saved before the epoch length or the strategy were kept still load), refusing a bad field
 by name. :func:`move_to` sets a source to a position, after :func:`check_fits`.
@@ -33,7 +33,7 @@ from sinkax.channel.source import Position, Source
 RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
 
 _REQUIRED = ("epoch", "step", "source")
-_FIELDS = (*_REQUIRED, "epoch_length", "strategy", "call_steps")
+_FIELDS = (*_REQUIRED, "epoch_length", "strategy", "call_steps", "call_granule")
 
 
 def _is_int(value: Any, least: int) -> bool:
@@ -53,8 +53,9 @@ class DataPosition:
 
     ``epoch`` and ``step`` (from 0) locate the next batch; ``source`` is the source's own
     state; ``epoch_length``: batches per epoch, when known; ``strategy``: what ``"auto"`` chose
-    (one of :data:`RECORDED`), once it has; ``call_steps``: the steps per call a
-    ``sink_size="auto"`` sink had reached, from which a resumed one continues.
+    (one of :data:`RECORDED`), once it has; ``call_steps`` and ``call_granule``: the steps per
+    call a ``sink_size="auto"`` sink had reached and the granule it planned in, from which a
+    resumed one continues.
     """
 
     epoch: int
@@ -63,6 +64,7 @@ class DataPosition:
     epoch_length: int | None = None
     strategy: str | None = None
     call_steps: int | None = None
+    call_granule: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.epoch, 0):
@@ -84,6 +86,9 @@ class DataPosition:
         if self.call_steps is not None and not _is_int(self.call_steps, 1):
             allowed = "an int >= 1 (the steps per call a sink_size='auto' sink reached) or absent"
             raise _field_error("call_steps", allowed, self.call_steps)
+        if self.call_granule is not None and not _is_int(self.call_granule, 1):
+            allowed = "an int >= 1 (the granule a sink_size='auto' sink planned in) or absent"
+            raise _field_error("call_granule", allowed, self.call_granule)
 
     @classmethod
     def of(cls, source: Source) -> DataPosition:
@@ -112,7 +117,8 @@ class DataPosition:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly: ``{"epoch", "step", "source"}``, and ``"epoch_length"``,
-        ``"strategy"`` and ``"call_steps"`` when known. A copy: changing it changes no sink."""
+        ``"strategy"``, ``"call_steps"`` and ``"call_granule"`` when known. A copy: changing it
+        changes no sink."""
         data = {"epoch": int(self.epoch), "step": int(self.step), "source": dict(self.source)}
         if self.epoch_length is not None:
             data["epoch_length"] = int(self.epoch_length)
@@ -120,6 +126,8 @@ class DataPosition:
             data["strategy"] = self.strategy
         if self.call_steps is not None:
             data["call_steps"] = int(self.call_steps)
+        if self.call_granule is not None:
+            data["call_granule"] = int(self.call_granule)
         return copy.deepcopy(data)
 
     @property

@@ -12,10 +12,13 @@ for each call's results times each call whole, its compute included, whatever th
 still ran when it returned), at most :data:`GROWTH` times the last target and at least a
 :data:`GROWTH`-th of it, never over an epoch; a call that compiled, failed or stopped early
 is not measured, nor the calls before it. The granule follows the target (an
-:data:`GRANULES`-th of it), lagging by the chunks the producer has read ahead.
+:data:`GRANULES`-th of it, kept while a call of the target holds :data:`KEPT_GRANULES` of it, so
+that a target drifting in steady state compiles nothing new), lagging by the chunks the
+producer has read ahead.
 
-The target is part of the data position (``DataPosition.call_steps``): a resumed sink starts
-at the size the saved one had reached, not small again. With ``total_steps`` (the steps the
+The target and the granule are part of the data position (``DataPosition.call_steps``,
+``call_granule``): a resumed sink starts at the size the saved one had reached, not small
+again, in the granule it had. With ``total_steps`` (the steps the
 sink will run, e.g. ``DatasetHelper``'s epochs) the plan ends there and so does the last call,
 whatever its target: nothing is read past it.
 
@@ -48,6 +51,7 @@ from sinkax.channel.source import Position
 GROWTH = 8  # a call's target grows or shrinks at most this much per call
 WINDOW = 2  # the calls a rate is measured over (more: steadier, slower to follow)
 GRANULES = 8  # a call of the target holds at least this many granules (but for the first)
+KEPT_GRANULES = (GRANULES // 2, GRANULES * 4)  # granules a call may hold before they change
 KEPT_SIZES = 64  # the sizes of the last calls that Sink.stats shows
 now = time.perf_counter  # what a sizer times calls with, unless given a clock
 
@@ -85,12 +89,15 @@ class CallSizer:
         self.sizes: collections.deque[int] = collections.deque(maxlen=KEPT_SIZES)
         self._clock = clock or now
         self._calls: collections.deque[_Call] = collections.deque(maxlen=WINDOW)  # the latest
+        self.kept_granule: int | None = None  # the last granule planned (by the producer)
 
     def restore(self, data_state: DataPosition) -> None:
-        """Continue at the target a saved position recorded, if it has one."""
+        """Continue at the target and granule a saved position recorded, if it has them."""
         self._calls.clear()  # the time since the last call is the rewind's, not a call's
         if data_state.call_steps is not None:
             self.target = self._bounded(data_state.call_steps)
+        if data_state.call_granule is not None:
+            self.kept_granule = data_state.call_granule
 
     def steps_left(self) -> int | None:
         """The steps left to plan before ``total_steps`` (``None``: no bound)."""
@@ -126,12 +133,17 @@ class CallSizer:
         return steps if self.epoch_length is None else min(steps, self.epoch_length)
 
     def granule(self) -> int:
-        """Steps of the next granule the producer plans: the largest power of two at most an
+        """Steps of the next granule the producer plans: the last one while a call of the
+        target holds :data:`KEPT_GRANULES` of them, else the largest power of two at most an
         :data:`GRANULES`-th of the target; a target of the whole epoch, the epoch (each call
         the rest of one epoch, one window, as ``sink_size=-1`` runs it)."""
         if self.target == self.epoch_length:
             return self.target
-        return 1 << max(0, (self.target // GRANULES).bit_length() - 1)
+        low, high = KEPT_GRANULES
+        kept = self.kept_granule
+        if kept is None or not low * kept <= self.target <= high * kept:
+            self.kept_granule = 1 << max(0, (self.target // GRANULES).bit_length() - 1)
+        return self.kept_granule
 
     def measured(self, steps: int, seconds: float) -> None:
         """A call of ``steps`` took ``seconds``: set the next target."""
