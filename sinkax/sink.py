@@ -107,7 +107,7 @@ class Sink:
             raise RuntimeError(_BUSY)
         self._running = True
         cursor, executor, parts = self._cursor, self._executor, []
-        compiles = executor.compiler.compiles  # a call that compiles is not timed for "auto"
+        compiled_s = executor.compiler.seconds  # "auto" times a call less its compiles
         stopped: Any = None  # stop_if_nonfinite: the output of the step not kept
         self.nonfinite = None
         try:
@@ -167,7 +167,7 @@ class Sink:
             raise
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
         if stopped is None:
-            cursor.commit(piece, measure=executor.compiler.compiles == compiles)
+            cursor.commit(piece, compiling=executor.compiler.seconds - compiled_s)
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
         if executor.progress:  # the steps no device report covered

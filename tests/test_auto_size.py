@@ -28,21 +28,21 @@ def test_the_target_follows_the_rate_of_the_last_calls_from_start_to_start():
     sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=1000, clock=lambda: next(starts))
     targets = []
 
-    def call(measure=True, ends=True):
+    def call(compiling=0.0, ends=True):
         sizer.started()
         targets.append(sizer.target)
         if ends:
-            sizer.ended(sizer.target, measure)
+            sizer.ended(sizer.target, compiling)
 
     call()  # nothing to measure yet: 1
     call()  # 1 step from 0.0 to 0.1: 10 steps/s, at most GROWTH x: 8
-    call(measure=False)  # the last two calls, 9 steps in 0.2 s: 45; this one compiles
-    call()  # the last call compiled: neither it nor those before count, 45 again
-    call(ends=False)  # 45 steps from 1.0 to 2.0: 45; this one fails
-    call()  # the last call failed: 45 again
-    call()  # 45 steps from 5.0 to 5.5 (the failed call does not count): 90
-    assert targets == [1, 8, 45, 45, 45, 45, 90]
-    assert list(sizer.sizes) == [1, 8, 45, 45, 45, 90]  # the failed call never ended
+    call(compiling=0.5)  # the last two calls, 9 steps in 0.2 s: 45; this one compiles 0.5 s
+    call()  # 45 + 8 steps from 0.1 to 1.0, less the compile: 53 in 0.4 s, 132
+    call(ends=False)  # 132 + 45 steps from 0.2 to 2.0, less the compile: 136; this one fails
+    call()  # the last call failed: neither it nor those before count, 136 again
+    call()  # 136 steps from 5.0 to 5.5 (the failed call does not count): 272
+    assert targets == [1, 8, 45, 132, 136, 136, 272]
+    assert list(sizer.sizes) == [1, 8, 45, 132, 136, 272]  # the failed call never ended
 
 
 def test_growth_is_bounded_per_call_and_by_the_epoch():
@@ -52,7 +52,7 @@ def test_growth_is_bounded_per_call_and_by_the_epoch():
     for _ in range(6):
         sizer.started()
         targets.append(sizer.target)
-        sizer.ended(sizer.target, measure=True)
+        sizer.ended(sizer.target, compiling=0.0)
     assert targets == [1, 8, 64, 512, 3000, 3000]
     assert sizer.granule() == 3000  # the whole epoch: each call is one window
     sizer.target = 2999

@@ -196,10 +196,10 @@ class Cursor:
             return piece.ends_call
         return self.sizer.enough(self._call_steps, piece.position)
 
-    def commit(self, piece: Piece, measure: bool = True) -> None:
+    def commit(self, piece: Piece, compiling: float = 0.0) -> None:
         """The call that ended with ``piece`` delivers its results: its position is committed;
-        an auto sink measures it unless not ``measure`` (it compiled)."""
-        self._count_call(measure)
+        an auto sink measures it, less the ``compiling`` seconds it spent compiling."""
+        self._count_call(compiling)
         where = piece.position
         self._committed = DataPosition(
             where.epoch, where.step, piece.source_state, self.epoch_length
@@ -229,12 +229,12 @@ class Cursor:
         self._start_ring()
         self._resync = False
 
-    def _count_call(self, measure: bool = False) -> None:
+    def _count_call(self, compiling: float | None = None) -> None:
         started, waited = self._call_started
         self.busy_s += time.perf_counter() - started - (self.data_wait_s - waited)
         self.calls += 1
         if self.sizer:
-            self.sizer.ended(self._call_steps, measure)
+            self.sizer.ended(self._call_steps, compiling)
 
     def failed(self, consumed: bool) -> None:
         """A call failed; if it ``consumed`` data, the next call rewinds first -- unless the

@@ -9,9 +9,9 @@ short of ``call_seconds``), the granule is the epoch: each call one window. When
 starts, its target follows the measured rate of the last :data:`WINDOW` calls: ``call_seconds``
 times their steps per second from the first one's start to this one's (so a caller that waits
 for each call's results times each call whole, its compute included, whatever the device
-still ran when it returned), at most :data:`GROWTH` times the last target and at least a
-:data:`GROWTH`-th of it, never over an epoch; a call that compiled, failed or stopped early
-is not measured, nor the calls before it. The granule follows the target (an
+still ran when it returned) less what they spent compiling, at most :data:`GROWTH` times the
+last target and at least a :data:`GROWTH`-th of it, never over an epoch; a call that failed or
+stopped early is not measured, nor the calls before it. The granule follows the target (an
 :data:`GRANULES`-th of it, kept while a call of the target holds :data:`KEPT_GRANULES` of it, so
 that a target drifting in steady state compiles nothing new), lagging by the chunks the
 producer has read ahead.
@@ -109,22 +109,25 @@ class CallSizer:
         return steps >= self.target or position.step == 0 or steps == self.steps_left()
 
     def started(self) -> None:
-        """A call starts: the latest calls, timed from the first one's start to now, set its
-        target (those after the last that is not to be measured)."""
+        """A call starts: the latest calls, timed from the first one's start to now less the
+        seconds they spent compiling, set its target (those after the last that is not to be
+        measured)."""
         now = self._clock()
         timed: list[_Call] = []
         for call in reversed(self._calls):
-            if not call.measure:  # it compiled, stopped early, or failed (it never ended)
+            if call.compiling is None:  # it stopped early, or failed (it never ended)
                 break
             timed.append(call)
         if timed:
-            self.measured(sum(call.steps for call in timed), now - timed[-1].start)
+            compiling = sum(call.compiling or 0.0 for call in timed)
+            self.measured(sum(call.steps for call in timed), now - timed[-1].start - compiling)
         self._calls.append(_Call(now))
 
-    def ended(self, steps: int, measure: bool) -> None:
-        """The call :meth:`started` last ran ``steps``; ``measure``: it ran as every call does
-        (it compiled nothing, and ran whole) -- then the next calls' targets count it."""
-        self._calls[-1].steps, self._calls[-1].measure = steps, measure
+    def ended(self, steps: int, compiling: float | None) -> None:
+        """The call :meth:`started` last ran ``steps``, ``compiling`` seconds of it spent
+        compiling: the next calls' targets count it, less those; ``None``: it did not run as
+        every call does (it stopped early), and they do not."""
+        self._calls[-1].steps, self._calls[-1].compiling = steps, compiling
         self.sizes.append(steps)
         self.done += steps
 
@@ -154,9 +157,9 @@ class CallSizer:
 
 @dataclasses.dataclass
 class _Call:
-    """A call as a sizer times it: when it started, its steps once it ended, and whether it
-    counts for the target."""
+    """A call as a sizer times it: when it started, and once it ended its steps and the
+    seconds it spent compiling (``None``: it does not count for the target)."""
 
     start: float
     steps: int = 0
-    measure: bool = False
+    compiling: float | None = None

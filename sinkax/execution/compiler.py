@@ -15,6 +15,7 @@ import dis
 import functools
 import inspect
 import os
+import time
 import types
 import weakref
 from collections.abc import Callable, Hashable
@@ -116,7 +117,8 @@ class Compiler:
     """Ahead-of-time compilation with a shared cache, a compile counter and optional dumps.
 
     ``fn`` is the user's step function: executables are cached under it, so they are reused by
-    later sinks of the same function. ``compiles`` counts what this compiler had to build.
+    later sinks of the same function. ``compiles`` counts what this compiler had to build,
+    ``seconds`` the time it spent building them.
     """
 
     def __init__(
@@ -124,7 +126,7 @@ class Compiler:
     ):
         self.name = name or getattr(fn, "__name__", type(fn).__name__).strip("<>")
         self.save_graphs = save_graphs
-        self.compiles = 0
+        self.compiles, self.seconds = 0, 0.0
         try:
             self._cache = _shared.setdefault(fn, {})
         except TypeError:  # not weak-referenceable: cache per sink
@@ -176,9 +178,11 @@ class Compiler:
         key = (kind, steps, variant, layout(args))
         entry = self._cache.get(key)
         if entry is None:
+            start = time.perf_counter()
             lowered = self.lower(make_program(), *args, donate=donate)
             entry = self._cache[key] = (lowered, lowered.compile())
             self.compiles += 1
+            self.seconds += time.perf_counter() - start
         if self.save_graphs and key not in self._dumped:
             self._dump(f"{self.name}_{kind}_sink{steps}", *entry)
             self._dumped.add(key)
