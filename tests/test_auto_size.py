@@ -19,6 +19,7 @@ import sinkax
 from sinkax.channel import sizing
 from sinkax.channel.position import DataPosition
 from sinkax.channel.source import Position
+from sinkax.execution import compiler
 
 MID_EPOCH = Position(0, 5)
 
@@ -74,6 +75,51 @@ def test_a_drifting_target_keeps_its_granule_and_a_far_one_changes_it():
     assert (resumed.target, resumed.granule()) == (3000, 256)  # anew: 3000 / 8 -> 256 too
     resumed.restore(DataPosition(0, 0, {}, call_steps=4600, call_granule=256))
     assert resumed.granule() == 256  # anew it would be 512
+
+
+def test_a_call_is_measured_less_the_seconds_it_spent_compiling(monkeypatch):
+    clock = itertools.count(step=1.0)  # every call "takes" a second, compiles included
+    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    get = compiler.Compiler.get
+
+    def slow_get(self, *args, **kwargs):  # and every compile "takes" at least 0.6 s of it
+        compiles = self.compiles
+        executable = get(self, *args, **kwargs)
+        self.seconds += 0.6 * (self.compiles - compiles)
+        return executable
+
+    monkeypatch.setattr(compiler.Compiler, "get", slow_get)
+    dataset = indexed_map_dataset(4000, 2, seed=None)
+    options = {"call_seconds": 4.0, "strategy": "scan"}
+    with sinkax.data_sink(collect_index, dataset, "auto", **options) as sink:
+        for _ in range(2):
+            sink(jnp.int32(0))
+        # the first call compiled: 1 step in at most 0.4 s of its second, 2.5 steps/s or more;
+        # in 4 s 10 or more, 8 at most 8x (counted whole: 1 step/s, 4)
+        assert sink.stats.call_sizes == (1, 8)
+
+
+def test_a_build_first_waits_for_the_work_still_running_and_times_only_itself():
+    events = []
+    build = compiler.Compiler(lambda x: x, "settled", settle=lambda: events.append("settle"))
+    for _ in range(2):  # built once, then from the cache: no wait
+        build.get("scan", 1, lambda: lambda x: x + 1, jnp.zeros(3))
+    assert events == ["settle"] and build.compiles == 1 and build.seconds > 0
+
+
+def test_a_resumed_sink_plans_in_the_granule_its_position_records():
+    dataset = indexed_map_dataset(4000, 2, seed=None)
+    with sinkax.data_sink(collect_index, dataset, "auto", call_seconds=0.05) as sink:
+        for _ in range(6):
+            sink(jnp.int32(0))
+        saved = sink.data_state()
+        assert saved["call_granule"] == sink._cursor.sizer.kept_granule >= 1
+    saved["call_granule"] = 2 * saved["call_granule"]  # a granule the new target also keeps
+    saved["call_steps"] = 8 * saved["call_granule"]
+    with sinkax.data_sink(collect_index, dataset, "auto", data_state=saved) as sink:
+        sink(jnp.int32(0))
+        assert sink._cursor.sizer.kept_granule == saved["call_granule"]
+        assert sink.stats.call_sizes[0] == saved["call_steps"]
 
 
 def test_a_call_ends_at_its_target_or_at_an_epochs_end():

@@ -31,7 +31,8 @@ def seen(outs) -> list[int]:
         ("strategy", "fast", r"one of \('scan', 'loop'\)"),
         ("call_steps", 0, r"an int >= 1"),
         ("call_steps", 2.5, r"an int >= 1"),
-        ("call_granule", 0, r"an int >= 1"),
+        ("call_granule", 0, r"a power of two"),
+        ("call_granule", 3, r"a power of two"),
     ],
 )
 def test_a_bad_field_is_refused_by_name_with_what_it_may_be(field, value, allowed):

@@ -86,9 +86,10 @@ class DataPosition:
         if self.call_steps is not None and not _is_int(self.call_steps, 1):
             allowed = "an int >= 1 (the steps per call a sink_size='auto' sink reached) or absent"
             raise _field_error("call_steps", allowed, self.call_steps)
-        if self.call_granule is not None and not _is_int(self.call_granule, 1):
-            allowed = "an int >= 1 (the granule a sink_size='auto' sink planned in) or absent"
-            raise _field_error("call_granule", allowed, self.call_granule)
+        granule = self.call_granule
+        if granule is not None and not (_is_int(granule, 1) and granule & (granule - 1) == 0):
+            allowed = "a power of two (the granule a sink_size='auto' sink planned in) or absent"
+            raise _field_error("call_granule", allowed, granule)
 
     @classmethod
     def of(cls, source: Source) -> DataPosition:

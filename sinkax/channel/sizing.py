@@ -140,13 +140,13 @@ class CallSizer:
         target holds :data:`KEPT_GRANULES` of them, else the largest power of two at most an
         :data:`GRANULES`-th of the target; a target of the whole epoch, the epoch (each call
         the rest of one epoch, one window, as ``sink_size=-1`` runs it)."""
-        if self.target == self.epoch_length:
-            return self.target
-        low, high = KEPT_GRANULES
-        kept = self.kept_granule
-        if kept is None or not low * kept <= self.target <= high * kept:
-            self.kept_granule = 1 << max(0, (self.target // GRANULES).bit_length() - 1)
-        return self.kept_granule
+        target, (low, high), kept = self.target, KEPT_GRANULES, self.kept_granule
+        if target == self.epoch_length:
+            self.kept_granule = None  # a target below the epoch picks one anew
+            return target
+        if kept is None or not low * kept <= target <= high * kept:
+            kept = self.kept_granule = 1 << max(0, (target // GRANULES).bit_length() - 1)
+        return kept
 
     def measured(self, steps: int, seconds: float) -> None:
         """A call of ``steps`` took ``seconds``: set the next target."""

@@ -118,14 +118,19 @@ class Compiler:
 
     ``fn`` is the user's step function: executables are cached under it, so they are reused by
     later sinks of the same function. ``compiles`` counts what this compiler had to build,
-    ``seconds`` the time it spent building them.
+    ``seconds`` the time it spent building them; ``settle()``, if given, is called before each
+    build (waiting there for work still running is not counted in ``seconds``).
     """
 
     def __init__(
-        self, fn: Any, name: str | None = None, save_graphs: str | os.PathLike[str] | None = None
+        self,
+        fn: Any,
+        name: str | None = None,
+        save_graphs: str | os.PathLike[str] | None = None,
+        settle: Callable[[], Any] | None = None,
     ):
         self.name = name or getattr(fn, "__name__", type(fn).__name__).strip("<>")
-        self.save_graphs = save_graphs
+        self.save_graphs, self._settle = save_graphs, settle
         self.compiles, self.seconds = 0, 0.0
         try:
             self._cache = _shared.setdefault(fn, {})
@@ -178,6 +183,8 @@ class Compiler:
         key = (kind, steps, variant, layout(args))
         entry = self._cache.get(key)
         if entry is None:
+            if self._settle is not None:
+                self._settle()
             start = time.perf_counter()
             lowered = self.lower(make_program(), *args, donate=donate)
             entry = self._cache[key] = (lowered, lowered.compile())

@@ -76,7 +76,8 @@ class Executor:
                 f"others stack batches. This sink would run {self.chosen!r}: pass sink_size=1 "
                 "and strategy='step' (one device, jit=True), or batch with drop_remainder=True."
             )
-        self.compiler = Compiler(fn, save_graphs=config.save_graphs)
+        # a build waits for the windows running first: "auto" sizes calls less their builds
+        self.compiler = Compiler(fn, save_graphs=config.save_graphs, settle=self._settle)
         self.dispatches = 0
         self._strategy: Any = None
         self._step: Any = None  # the step function the strategy runs
@@ -91,6 +92,12 @@ class Executor:
         self.progress = config.progress and Progress(
             config.progress, config.progress_every, backend_of(config.sharding)
         )
+
+    def _settle(self) -> None:
+        """Wait for the last window dispatched, if any, to be computed."""
+        done = getattr(self._strategy, "done", None)
+        if done is not None:
+            jax.block_until_ready(done)
 
     @property
     def feed(self) -> str:
