@@ -14,6 +14,7 @@ pod. Every process of the Job is a pod at 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import json
 import os
@@ -37,8 +38,9 @@ UNSHARE = (
 )
 
 
+@functools.cache
 def private_mounts() -> list[str] | None:
-    """The first of :data:`UNSHARE` that works here, or ``None``."""
+    """The first of :data:`UNSHARE` that works here, or ``None`` (tried once a process)."""
     for command in UNSHARE:
         if subprocess.run([*command, "true"], capture_output=True).returncode == 0:
             return command
