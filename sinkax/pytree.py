@@ -165,12 +165,6 @@ def copy_tree(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
 
 
-@jax.jit
-def concat_trees(trees: list[Any]) -> Any:
-    """Leaf-wise concatenation along the leading axis of a list of alike trees, in one dispatch."""
-    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *trees)
-
-
 def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     """Tree structure and abstract value of every leaf: what an executable is specialised to."""
     leaves, treedef = jax.tree.flatten(tree)

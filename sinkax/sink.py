@@ -35,7 +35,7 @@ from sinkax.config import SinkConfig
 from sinkax.errors import SinkClosedError
 from sinkax.execution import guard
 from sinkax.execution.executor import NO_STATE, Executor
-from sinkax.pytree import concat_trees, copy_tree, layout
+from sinkax.pytree import copy_tree, layout
 from sinkax.stats import SinkStats
 
 
@@ -141,9 +141,10 @@ class Sink:
                     outs, stopped = guard.split(outs, kept)
                 parts.append(outs)  # from here on, an interrupted call has consumed data
                 cursor.ran(piece, executor.done, kept)
-                if cursor.ends_call(piece) or stopped is not None:
+                compiling = executor.compiler.seconds - compiled_s
+                if cursor.ends_call(piece, compiling) or stopped is not None:
                     break
-            outs = parts[0] if len(parts) == 1 else concat_trees(parts)
+            outs = executor.joined(parts)
             # Every step has run: from here to the return a Ctrl-C is held, whatever the path,
             # so that the results and the new data position reach the caller together (this
             # also drops the guarded state, so that its arrays are freed here, while held).

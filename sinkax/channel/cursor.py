@@ -189,12 +189,12 @@ class Cursor:
         self.steps += steps
         self._call_steps += steps
 
-    def ends_call(self, piece: Piece) -> bool:
-        """Whether the call ends with ``piece``, just run: where the plan ends a call (for
-        ``sink_size="auto"``, a granule) and, auto, the call is long enough (see ``sizing``)."""
+    def ends_call(self, piece: Piece, compiling: float = 0.0) -> bool:
+        """Whether the call ends with ``piece``, just run: where the plan ends a call (auto: a
+        granule) and, auto, it is long enough, ``compiling`` seconds spent compiling (sizing)."""
         if self.sizer is None or not piece.ends_call:
             return piece.ends_call
-        return self.sizer.enough(self._call_steps, piece.position)
+        return self.sizer.enough(self._call_steps, piece.position, compiling)
 
     def commit(self, piece: Piece, compiling: float = 0.0) -> None:
         """The call that ended with ``piece`` delivers its results: its position is committed;

@@ -10,7 +10,9 @@ starts, its target follows the measured rate of the last :data:`WINDOW` calls: `
 times their steps per second from the first one's start to this one's (so a caller that waits
 for each call's results times each call whole, its compute included, whatever the device
 still ran when it returned) less what they spent compiling, at most :data:`GROWTH` times the
-last target and at least a :data:`GROWTH`-th of it, never over an epoch; a call that failed or
+last target and at least a :data:`GROWTH`-th of it, never over an epoch, and kept while the
+measured one is within :data:`KEPT_SIZE` of it (a call of several windows joins their outputs
+in an executable compiled per size: a steady size compiles it once); a call that failed or
 stopped early is not measured, nor the calls before it. The granule follows the target (an
 :data:`GRANULES`-th of it, kept while a call of the target holds :data:`KEPT_GRANULES` of it, so
 that a target drifting in steady state compiles nothing new), lagging by the chunks the
@@ -52,6 +54,7 @@ GROWTH = 8  # a call's target grows or shrinks at most this much per call
 WINDOW = 2  # the calls a rate is measured over (more: steadier, slower to follow)
 GRANULES = 8  # a call of the target holds at least this many granules (but for the first)
 KEPT_GRANULES = (GRANULES // 2, GRANULES * 4)  # granules a call may hold before they change
+KEPT_SIZE = 0.1  # a target is kept while the measured one is within this share of it
 KEPT_SIZES = 64  # the sizes of the last calls that Sink.stats shows
 now = time.perf_counter  # what a sizer times calls with, unless given a clock
 
@@ -103,10 +106,13 @@ class CallSizer:
         """The steps left to plan before ``total_steps`` (``None``: no bound)."""
         return None if self.total_steps is None else self.total_steps - self.done
 
-    def enough(self, steps: int, position: Position) -> bool:
+    def enough(self, steps: int, position: Position, compiling: float = 0.0) -> bool:
         """Whether a call that has run ``steps`` up to ``position`` (the batch after its last
-        granule) ends there: it holds its target, an epoch ended, or the sink's steps did."""
-        return steps >= self.target or position.step == 0 or steps == self.steps_left()
+        granule) ends there: it holds its target, an epoch ended, or the sink's steps did. A
+        call that spent ``compiling`` seconds compiling holds that time's share of
+        ``call_seconds`` less of its target: it lasts about ``call_seconds`` still."""
+        target = self.target * (1 - compiling / self.call_seconds)
+        return steps >= target or position.step == 0 or steps == self.steps_left()
 
     def started(self) -> None:
         """A call starts: the latest calls, timed from the first one's start to now less the
@@ -149,10 +155,14 @@ class CallSizer:
         return kept
 
     def measured(self, steps: int, seconds: float) -> None:
-        """A call of ``steps`` took ``seconds``: set the next target."""
+        """A call of ``steps`` took ``seconds``: set the next target (kept if the measured one
+        is within :data:`KEPT_SIZE` of it: a call of a size met before compiles nothing to join
+        its windows' outputs)."""
         rate = steps / max(seconds, 1e-9)
         wanted = self.call_seconds * rate
-        self.target = self._bounded(min(max(wanted, self.target / GROWTH), self.target * GROWTH))
+        wanted = self._bounded(min(max(wanted, self.target / GROWTH), self.target * GROWTH))
+        if abs(wanted - self.target) > KEPT_SIZE * self.target:
+            self.target = wanted
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ from sinkax.execution import choice as strategies
 from sinkax.execution.auto import Auto
 from sinkax.execution.compiler import Compiler
 from sinkax.execution.guard import Guarded, watcher
+from sinkax.execution.programs import concat_program
 from sinkax.execution.progress import Progress
 from sinkax.execution.stepfn import carry_dtypes, check_step_form, stateless, with_static
 from sinkax.execution.windowed import scan_window
@@ -240,6 +241,17 @@ class Executor:
         if self.progress:
             self.progress.ran(steps, getattr(self._strategy, "reported", lambda _: 0)(steps))
         return result
+
+    def joined(self, parts: list[Any]) -> Any:
+        """A call's outputs, the ``outs`` of its windows (a list) stacked as one: several are
+        concatenated by an executable compiled once per their layout, and counted and timed
+        as the windows' are (``"auto"`` sizes calls less it)."""
+        if len(parts) == 1:
+            return parts[0]
+        concat = self.compiler.get(
+            "concat", len(parts), lambda: concat_program, parts, donate=False
+        )
+        return concat(parts)
 
     @property
     def done(self) -> Any:

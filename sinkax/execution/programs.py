@@ -88,10 +88,15 @@ def reporting_scan_program(
         if rest:
             state, outs, i = window(fn, rest)(state, chunk, i)
             parts.append(outs)
-        outs = parts[0] if len(parts) == 1 else jax.tree.map(lambda *o: jnp.concatenate(o), *parts)
-        return state, outs, i
+        return state, concat_program(parts), i
 
     return run
+
+
+def concat_program(parts: list[Any]) -> Any:
+    """Alike trees of stacked outputs (a list) as one tree, concatenated leaf by leaf along the
+    steps: the outputs of consecutive windows."""
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *o: jnp.concatenate(o), *parts)
 
 
 def out_shape(fn: StepFn, state: Any, chunk: Any) -> Any:
