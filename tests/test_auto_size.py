@@ -109,7 +109,7 @@ def test_a_build_first_waits_for_the_work_still_running_and_times_only_itself():
 
 
 def test_a_resumed_sink_plans_in_the_granule_its_position_records():
-    dataset = indexed_map_dataset(4000, 2, seed=None)
+    dataset = indexed_map_dataset(4000, 2, seed=None).repeat(None)  # no epoch ends a call
     with sinkax.data_sink(collect_index, dataset, "auto", call_seconds=0.05) as sink:
         for _ in range(6):
             sink(jnp.int32(0))
@@ -117,7 +117,9 @@ def test_a_resumed_sink_plans_in_the_granule_its_position_records():
         assert saved["call_granule"] == sink._cursor.sizer.kept_granule >= 1
     # a granule the target keeps (512 holds 16 of 32), where anew it would have 512 / 8 = 64
     saved["call_granule"], saved["call_steps"] = 32, 512
-    with sinkax.data_sink(collect_index, dataset, "auto", data_state=saved) as sink:
+    # (calls long enough that a compile's share of them is not a step of the 512)
+    options = {"data_state": saved, "call_seconds": 1e4}
+    with sinkax.data_sink(collect_index, dataset, "auto", **options) as sink:
         sink(jnp.int32(0))
         assert sink._cursor.sizer.kept_granule == saved["call_granule"]
         assert sink.stats.call_sizes[0] == saved["call_steps"]
