@@ -1,10 +1,10 @@
 """Execution strategies: how the steps of one device-resident chunk are run.
 
-* ``"scan"``  -- one executable runs the whole window (a loop of dynamic trip count): one
-  dispatch per window. The loop-sink proper. On a CPU device the step's convolutions are first
-  put in XLA:CPU's canonical layout (:mod:`sinkax.execution.rewrite`), which XLA:CPU itself
-  does only outside loop bodies; with that, a convolutional step is as fast in the loop as
-  standalone.
+* ``"scan"``  -- one executable runs the whole window (a loop whose trip count, the window's
+  steps, is compiled in: one executable per window length): one dispatch per window. The
+  loop-sink proper. On a CPU device the step's convolutions are first put in XLA:CPU's
+  canonical layout (:mod:`sinkax.execution.rewrite`), which XLA:CPU itself does only outside
+  loop bodies; with that, a convolutional step is as fast in the loop as standalone.
 * ``"loop"``  -- the compiled step is dispatched once per step over slices of the chunk, which
   stays on the device. No per-step host data work, but one dispatch per step: for steps that
   XLA compiles better outside a loop body than inside one.
@@ -14,24 +14,22 @@
   again is more memory traffic, in a second thread that competes with XLA's compute threads for
   the cores.
 * ``"eager"`` -- PyNative: the step function runs un-jitted, op by op, for prints and breakpoints.
-* ``"auto"``  -- measures ``"scan"`` and ``"loop"`` on the steps of the first call itself and
-  keeps the faster per step. Both share one carry (state, output buffer, positions), so a
-  window can be run partly by each, every step once and in order: one untimed step each (first
-  runs are slow), one timed step that sizes the trials to about :data:`TRIAL_S`, then trials
-  in the order A, B, A (``"scan"``, ``"loop"``, ``"scan"``), and the rest of the window with
-  the choice. Each candidate is judged by its best trial: noise only ever slows a trial down,
-  so one slow spell of a shared machine in a scan trial does not decide, and one in the loop
-  trial keeps scan, the safe default. ``"scan"`` -- the loop sink proper -- is kept unless
-  ``"loop"`` is faster by :data:`PREFER_MARGIN`; measuring stops after A, B when ``"scan"`` is
-  clearly faster (by :data:`CLEAR_MARGIN`). A call too short for the trials carries them on
-  into the next calls, so the decision comes after about ``3 * TRIAL_S`` of steps: inside the
-  first call when it is that long. Both executables are compiled before the first dispatch and
-  serve any window length, so measuring compiles nothing extra; its cost is what the slower
-  candidate loses in its trial. The choice is kept per step function, state and batch layout
-  and platform, and reused by every later sink of that step (``Sink.reselect()`` measures
-  again); the environment variable :data:`ENV` or a data position that recorded a choice pins
-  it (see :func:`pinned`). A sink of one-step calls is not measured (see :func:`resolve`).
-  ``Sink.stats`` records the choice and the timings.
+* ``"auto"``  -- measures ``"scan"`` and ``"loop"`` on the windows the first calls run anyway
+  and keeps the faster per step (:class:`~sinkax.execution.auto.Auto`): whole windows with one
+  candidate at a time, each compiled before it runs, in trials in the order A, B, A
+  (``"scan"``, ``"loop"``, ``"scan"``), a trial one or more windows spanning about
+  :data:`~sinkax.execution.auto.TRIAL_S`. Each candidate is judged by its best trial: noise
+  only ever slows a trial down, so one slow spell of a shared machine in a scan trial does not
+  decide, and one in the loop trial keeps scan, the safe default. ``"scan"`` -- the loop sink
+  proper -- is kept unless ``"loop"`` is faster by
+  :data:`~sinkax.execution.auto.PREFER_MARGIN` and by more than scan's trials differ;
+  measuring stops after A, B when ``"scan"`` is clearly faster (by
+  :data:`~sinkax.execution.auto.CLEAR_MARGIN`). Its cost is what the slower candidate loses in
+  its trial and the executables of the candidate not kept. The choice is kept per step
+  function, state and batch layout and platform, and reused by every later sink of that step
+  (``Sink.reselect()`` measures again); the environment variable :data:`ENV` or a data
+  position that recorded a choice pins it (see :func:`pinned`). A sink of one-step calls is
+  not measured (see :func:`resolve`). ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
 window of ``steps`` batches of a chunk, starting at ``offset``, and declares the feed it needs
