@@ -149,6 +149,10 @@ def test_a_steady_target_keeps_its_size_and_a_changed_rate_moves_it():
     # within KEPT_SIZE (10 %) of the target: kept (its calls join their windows' outputs in
     # an executable already compiled); 0.92 s: 1087 steps wanted, 8.7 % more: kept too
     assert targets == [1000, 1000, 1000, 769, 1538]
+    # but for the whole epoch, within 10 % or not: each call is then one window
+    near_an_epoch = sizing.CallSizer(call_seconds=1.0, epoch_length=1050, target=1000)
+    near_an_epoch.measured(steps=1000, seconds=0.5)
+    assert near_an_epoch.target == near_an_epoch.granule() == 1050
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,9 @@ times their steps per second from the first one's start to this one's (so a call
 for each call's results times each call whole, its compute included, whatever the device
 still ran when it returned) less what they spent compiling, at most :data:`GROWTH` times the
 last target and at least a :data:`GROWTH`-th of it, never over an epoch, and kept while the
-measured one is within :data:`KEPT_SIZE` of it (a call of several windows joins their outputs
-in an executable compiled per size: a steady size compiles it once); a call that failed or
+measured one is within :data:`KEPT_SIZE` of it but for the whole epoch (a call of several
+windows joins their outputs in an executable compiled per size: a steady size compiles it
+once); a call that failed or
 stopped early is not measured, nor the calls before it. The granule follows the target (an
 :data:`GRANULES`-th of it, kept while a call of the target holds :data:`KEPT_GRANULES` of it, so
 that a target drifting in steady state compiles nothing new), lagging by the chunks the
@@ -161,8 +162,8 @@ class CallSizer:
         rate = steps / max(seconds, 1e-9)
         wanted = self.call_seconds * rate
         wanted = self._bounded(min(max(wanted, self.target / GROWTH), self.target * GROWTH))
-        if abs(wanted - self.target) > KEPT_SIZE * self.target:
-            self.target = wanted
+        if wanted == self.epoch_length or abs(wanted - self.target) > KEPT_SIZE * self.target:
+            self.target = wanted  # (a whole epoch is one window a call: always taken)
 
 
 @dataclasses.dataclass
