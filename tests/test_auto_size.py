@@ -155,6 +155,27 @@ def test_a_steady_target_keeps_its_size_and_a_changed_rate_moves_it():
     assert near_an_epoch.target == near_an_epoch.granule() == 1050
 
 
+def test_a_steady_auto_sink_keeps_its_call_size_and_compiles_nothing_more(monkeypatch):
+    # a step costs 1 ms, the calls' measured times jitter by up to +-4 % (a kept target is then
+    # never 10 % off); unkept, targets around 192 would straddle a granule's edge (32 x 6)
+    jitter = iter(np.random.default_rng(0).uniform(0.96, 1.04, 100))
+    clock = [0.0]
+    monkeypatch.setattr(sizing, "now", lambda: clock[0])
+    dataset = indexed_map_dataset(4000, 2, seed=None).repeat(None)  # no epoch ends a call
+    options = {"call_seconds": 0.192, "strategy": "scan"}
+    with sinkax.data_sink(collect_index, dataset, "auto", **options) as sink:
+        compiles = []
+        for _ in range(24):
+            sink(jnp.int32(0))
+            clock[0] += sink.stats.call_sizes[-1] * 1e-3 * next(jitter)
+            compiles.append(sink.stats.compiles)
+        sizes = sink.stats.call_sizes
+    # ~192 steps a call, in whole granules; each size joins its windows' outputs in an
+    # executable of its own
+    assert len(set(sizes[-12:])) == 1 and 180 <= sizes[-1] <= 250
+    assert compiles[-12] == compiles[-1]
+
+
 @pytest.mark.parametrize(
     ("option", "match"),
     [
