@@ -20,6 +20,7 @@ there.
 
     python benchmarks/auto_calls.py                              # MLP and LeNet5, 0.1 and 0.5 s
     python benchmarks/auto_calls.py --workloads mlp --targets 0.05 --calls 8   # a smoke run
+    python benchmarks/auto_calls.py --device gpu --workloads mlp --out-dir /tmp  # gpu_check's
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 
 import grain
 import jax
-from _common import fresh, machine, save, table, use_device, workload
+from _common import RESULTS, fresh, machine, save, table, use_device, workload
 
 import sinkax
 
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["mlp", "lenet"])
     parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--out-dir", default=RESULTS, help="where the JSON and plot go (results/)")
     args = parser.parse_args(argv)
     if args.calls <= SETTLING:
         parser.error(f"--calls must be more than the {SETTLING} calls that settle")
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{SETTLING} calls, cold, {row['best fixed / auto']:.2f}x as fast as sink "
                 f"{row['best fixed']}'s (target >= 1.0x)"
             )
-    save("auto_calls", {"rows": rows, "first_calls": firsts, **vars(args)}, draw(rows))
+    payload = {"rows": rows, "first_calls": firsts, **vars(args)}
+    save("auto_calls", payload, draw(rows), args.out_dir)
     return 0
 
 

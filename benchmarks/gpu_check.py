@@ -21,6 +21,8 @@ the next. Parts:
                host-device interactions (benchmarks/gpu_plugin.py; needs pjrt_c_api.h)
   live-mlp     what stop_if_nonfinite and progress= cost the MLP at sink size 1000, and a
                jax.debug.callback in a hand-written scan (benchmarks/live_costs.py)
+  auto-mlp     how closely sink_size="auto" keeps the MLP's calls to 0.1 and 0.5 s, cold, fresh
+               and resumed, and its first 3 calls against fixed sizes' (benchmarks/auto_calls.py)
   profile-mlp  where the MLP sinks' host time goes, per thread, beside the rates that bound
                them: with a step that does nothing, over one chunk on the device, with the
                data prepared ahead, the producer parked, a 0.1 ms switch interval; and
@@ -28,9 +30,9 @@ the next. Parts:
                (benchmarks/host_profile.py)
 
 Files under $OUT (default ./gpu_check_out): summary.txt, env.txt, tests.log, bench.log,
-gpu_sink_sizes.json, gpu_sink_sizes.png (bench.log has live-mlp's table too), plugin.log,
-profile.log. The summary table is printed last. The exit status is 0 whatever the parts did (2
-for bad arguments): read the summary.
+gpu_sink_sizes.json, gpu_sink_sizes.png (bench.log has live-mlp's and auto-mlp's tables too),
+plugin.log, profile.log. The summary table is printed last. The exit status is 0 whatever the
+parts did (2 for bad arguments): read the summary.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ LIMITS = {
     "bench-transformer": (130, 150),
     "plugin": (35, 60),
     "live-mlp": (60, 120),
+    "auto-mlp": (90, 120),
     "profile-mlp": (90, 90),
 }
 BUDGET_S = 420  # --budget's default, on a GPU and in the dry run
@@ -293,6 +296,15 @@ class Check:
             argv += smoke if self.dry_run else ["--device", "gpu", "--repeats", "7"]
             self.run("live-mlp", argv, "bench.log", verdicts)
 
+    def auto(self) -> None:
+        """The auto sinks' call times, their tables into bench.log (the JSON is not kept)."""
+        smoke = ["--targets", "0.05", "--calls", "5"]
+        verdicts = lambda text: "; ".join(re.findall(r"at [\d.]+ s, \w+: \d+/\d+", text))  # noqa: E731
+        with tempfile.TemporaryDirectory() as folder:
+            argv = [sys.executable, os.path.join(BENCH, "auto_calls.py"), "--workloads", "mlp"]
+            argv += ["--out-dir", folder] + (smoke if self.dry_run else ["--device", "gpu"])
+            self.run("auto-mlp", argv, "bench.log", verdicts)
+
     def profile(self) -> None:
         sizes = ["10"] if self.dry_run else ["10", "100", "1000"]
         steps = "200" if self.dry_run else "20000"
@@ -342,6 +354,7 @@ def main(argv=None) -> int:
     check.benchmarks()
     check.plugin()
     check.live()
+    check.auto()
     check.profile()
     summary = summarize(check.outcomes, check.dry_run, time.monotonic() - started)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:

@@ -28,7 +28,8 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert "DRY RUN" in summary.splitlines()[0]
     parts = {line.split()[0]: line.split()[1] for line in summary.splitlines()[1:]}
     benchmarks = {f"bench-{w}" for w in ("mlp", "lenet", "transformer")}
-    expected = {"imports", "env", "tests", "plugin", "live-mlp", "profile-mlp", *benchmarks}
+    expected = {"imports", "env", "tests", "plugin", "live-mlp", "auto-mlp", "profile-mlp"}
+    expected |= benchmarks
     assert set(parts) - {"wheels"} == expected
     assert set(parts.values()) == {"PASS"}, summary
     results = json.loads((tmp_path / "gpu_sink_sizes.json").read_text())
@@ -49,4 +50,6 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert "thread sinkax-producer" in profile and "thread MainThread" in profile
     live = (tmp_path / "bench.log").read_text().split("=== live-mlp")[1]
     assert re.search(r"stop_if_nonfinite +\d+", live) and "JAX's host callback alone" in live
+    auto = (tmp_path / "bench.log").read_text().split("=== auto-mlp")[1]
+    assert re.search(r"mlp +0.05 +cold .* +\d+/2 ", auto) and "first 3 calls, cold" in auto
     assert len(list(tmp_path.iterdir())) <= 8  # what comes back from a device machine
