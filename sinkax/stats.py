@@ -21,6 +21,9 @@ class SinkStats:
     ``device_bytes`` and ``peak_device_bytes``: the bytes in use on the sink's devices now and at
     most, as their ``memory_stats()`` report them (every user of the devices counts; the
     emulated device and GPUs report them, ``None`` where a device does not, as XLA:CPU's).
+    ``compiles``: the executables the sink built: its windows', and one per call size that
+    joins the outputs of a call of several windows (executables an earlier sink of the same
+    step built are reused, not counted).
     ``call_sizes``: with ``sink_size="auto"``, the steps of its last calls (up to 64).
     ``peer_wait_s``: across processes, time this one waited before dispatches for the others to
     get their data ready (:mod:`sinkax.peers`; 0 in one process). Time spent inside a
