@@ -18,7 +18,7 @@ a step no sink has run (the strategy measured as by default), with the steps/s o
 after them (at least 3, and 2,000 steps); the best fixed size is the one of the highest steps/s
 there.
 
-    python benchmarks/auto_calls.py                              # MLP and LeNet5, 0.1 and 0.5 s
+    python benchmarks/auto_calls.py                       # MLP and LeNet5, 0.1, 0.5 and 1 s
     python benchmarks/auto_calls.py --workloads mlp --targets 0.05 --calls 8   # a smoke run
     python benchmarks/auto_calls.py --device gpu --workloads mlp --out-dir /tmp  # gpu_check's
 """
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cpu or gpu (default: JAX's default)")
     parser.add_argument("--workloads", nargs="+", default=["mlp", "lenet"])
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.5])
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.5, 1.0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out-dir", default=RESULTS, help="where the JSON and plot go (results/)")
     args = parser.parse_args(argv)
