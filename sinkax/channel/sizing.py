@@ -2,22 +2,21 @@
 
 The producer plans an auto sink's data as *granules*, small calls of a power of two of steps
 (:meth:`CallSizer.granule`; a granule never crosses an epoch's end), and a call takes whole
-granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end.
-A granule is one window of the strategy, so the executables are those of a few powers of two,
+granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end. A
+granule is one window of the strategy, so the executables are those of a few powers of two,
 shared by every call size; once the target is the whole epoch (calls that an epoch's end cuts
-short of ``call_seconds``), the granule is the epoch: each call one window. When a call
-starts, its target follows the measured rate of the last :data:`WINDOW` calls: ``call_seconds``
-times their steps per second from the first one's start to this one's (so a caller that waits
-for each call's results times each call whole, its compute included, whatever the device
-still ran when it returned) less what they spent compiling, at most :data:`GROWTH` times the
-last target and at least a :data:`GROWTH`-th of it, never over an epoch, and kept while the
-measured one is within :data:`KEPT_SIZE` of it but for the whole epoch (a call of several
-windows joins their outputs in an executable compiled per size: a steady size compiles it
-once); a call that failed or
+short of ``call_seconds``), the granule is the epoch: each call one window. When a call starts,
+its target follows the measured rate of the last :data:`WINDOW` calls: ``call_seconds`` times
+their steps per second from the first one's start to this one's (so a caller that waits for each
+call's results times each call whole, its compute included, whatever the device still ran when
+it returned) less what they spent compiling, at most :data:`GROWTH` times the last target and at
+least a :data:`GROWTH`-th of it, never over an epoch, and kept while the measured one is within
+:data:`KEPT_SIZE` of it but for the whole epoch (a call of several windows joins their outputs
+in an executable compiled per size: a steady size compiles it once); a call that failed or
 stopped early is not measured, nor the calls before it. The granule follows the target (an
 :data:`GRANULES`-th of it, kept while a call of the target holds :data:`KEPT_GRANULES` of it, so
-that a target drifting in steady state compiles nothing new), lagging by the chunks the
-producer has read ahead.
+that a target drifting in steady state compiles nothing new), lagging by the chunks the producer
+has read ahead.
 
 The target and the granule are part of the data position (``DataPosition.call_steps``,
 ``call_granule``): a resumed sink starts at the size the saved one had reached, not small
