@@ -287,25 +287,26 @@ class Check:
         last_line = lambda text: " ".join(text.strip().splitlines()[-1:])[:100]  # noqa: E731
         self.run("plugin", argv, "plugin.log", last_line)
 
-    def live(self) -> None:
-        """The live-sink costs, their table into bench.log (its JSON is not kept: at most 8
+    def tables(self, part: str, script: str, args: list[str], note) -> None:
+        """``script`` with ``args``, its tables into bench.log (its JSON is not kept: at most 8
         files come back from a device machine)."""
+        with tempfile.TemporaryDirectory() as folder:
+            argv = [sys.executable, os.path.join(BENCH, script), "--out-dir", folder, *args]
+            self.run(part, argv, "bench.log", note)
+
+    def live(self) -> None:
+        """The live-sink costs."""
         smoke = ["--steps", "200", "--repeats", "1", "--sink-size", "100"]
         verdicts = lambda text: "; ".join(re.findall(r"(?:PASS|MISS|----) .*?: [\d.]+x", text))  # noqa: E731
-        with tempfile.TemporaryDirectory() as folder:
-            argv = [sys.executable, os.path.join(BENCH, "live_costs.py"), "--out-dir", folder]
-            argv += smoke if self.dry_run else ["--device", "gpu", "--repeats", "7"]
-            self.run("live-mlp", argv, "bench.log", verdicts)
+        gpu = ["--device", "gpu", "--repeats", "7"]
+        self.tables("live-mlp", "live_costs.py", smoke if self.dry_run else gpu, verdicts)
 
     def auto(self) -> None:
-        """The auto sinks' call times, their tables into bench.log (the JSON is not kept)."""
-        smoke = ["--targets", "0.05", "--calls", "5"]
+        """The auto sinks' call times."""
+        smoke = ["--workloads", "mlp", "--targets", "0.05", "--calls", "5"]
         verdicts = lambda text: "; ".join(re.findall(r"at [\d.]+ s, \w+: \d+/\d+", text))  # noqa: E731
-        with tempfile.TemporaryDirectory() as folder:
-            argv = [sys.executable, os.path.join(BENCH, "auto_calls.py"), "--workloads", "mlp"]
-            gpu = ["--device", "gpu", "--targets", "0.1", "1.0"]
-            argv += ["--out-dir", folder] + (smoke if self.dry_run else gpu)
-            self.run("auto-mlp", argv, "bench.log", verdicts)
+        gpu = ["--workloads", "mlp", "--device", "gpu", "--targets", "0.1", "1.0"]
+        self.tables("auto-mlp", "auto_calls.py", smoke if self.dry_run else gpu, verdicts)
 
     def profile(self) -> None:
         sizes = ["10"] if self.dry_run else ["10", "100", "1000"]
