@@ -106,6 +106,14 @@ def test_the_reports_add_up_to_every_step(sink_size, options):
     assert max(loss for _, loss in reports) == losses(3 * sink_size)[-1]
 
 
+def test_a_step_that_outputs_nothing_is_reported_too():
+    reports = []
+    step = lambda total, batch: (total + batch["x"], None)  # noqa: E731
+    with sinkax.data_sink(step, DATA, 3, progress=lambda *report: reports.append(report)) as sink:
+        total, outs = sink(np.float32(0))
+    assert float(total) == 3.0 and outs is None and reports == [(3, None)]
+
+
 @needs_plugin
 def test_without_host_callbacks_a_warning_and_a_report_per_call():
     with pytest.warns(RuntimeWarning, match="no Python host callbacks.*once per call"):

@@ -85,5 +85,6 @@ class Progress:
     def call_ended(self, outs: Any) -> None:
         """Report the call's steps that no device report covered, with its last output."""
         steps, self._unreported = self._unreported, 0
-        if steps and len(jax.tree.leaves(outs)[0]):  # none if a stop kept no step
+        leaves = jax.tree.leaves(outs)  # a step may output nothing
+        if steps and (not leaves or len(leaves[0])):  # none if a stop kept no step
             self.hook(steps, jax.tree.map(lambda o: o[-1], outs))
