@@ -40,6 +40,8 @@ import sinkax
 from sinkax.channel.packers import Unstacked
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import as_source
+from sinkax.execution.compiler import Compiler
+from sinkax.execution.programs import concat_program
 
 
 def run_sink(batches, sink_size, calls, step=None, **options):
@@ -1008,6 +1010,17 @@ def test_save_graphs_writes_each_executable(batches, tmp_path):
     files = sorted(os.listdir(tmp_path))
     assert files == ["train_step_scan_sink3.hlo.txt", "train_step_scan_sink3.stablehlo.mlir"]
     assert "while" in (tmp_path / "train_step_scan_sink3.hlo.txt").read_text()
+
+
+def test_save_graphs_names_executables_of_one_kind_and_size_apart(tmp_path):
+    joins = Compiler(train_step, save_graphs=tmp_path)
+    for window in (1, 2):  # joins of 2 windows, of 1 and of 2 steps each
+        parts = [jnp.zeros((window, 3)), jnp.ones((window, 3))]
+        joined = joins.get("concat", 2, lambda: concat_program, parts, donate=False)(parts)
+        assert joined.shape == (2 * window, 3)
+    files = sorted(path.name for path in tmp_path.glob("*.hlo.txt"))
+    assert files == ["train_step_concat_sink2.hlo.txt", "train_step_concat_sink2_2.hlo.txt"]
+    assert "f32[4,3]" in (tmp_path / files[1]).read_text()
 
 
 def test_a_full_pass_of_a_plain_list_ends_the_epoch(batches):

@@ -18,7 +18,7 @@ import os
 import time
 import types
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 import jax
@@ -136,7 +136,7 @@ class Compiler:
             self._cache = _shared.setdefault(fn, {})
         except TypeError:  # not weak-referenceable: cache per sink
             self._cache = {}
-        self._dumped: set[Any] = set()
+        self._dumped: dict[Any, str] = {}  # the file stem of each executable written
         self._fn = fn
         self._captured = captured_arrays(fn)
         if changed_captures(self._cache.get(_CAPTURED, {}), self._captured):
@@ -191,8 +191,9 @@ class Compiler:
             self.compiles += 1
             self.seconds += time.perf_counter() - start
         if self.save_graphs and key not in self._dumped:
-            self._dump(f"{self.name}_{kind}_sink{steps}", *entry)
-            self._dumped.add(key)
+            stem = _unused(f"{self.name}_{kind}_sink{steps}", self._dumped.values())
+            self._dump(stem, *entry)
+            self._dumped[key] = stem
         return entry[1]
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
@@ -214,3 +215,14 @@ class Compiler:
             f.write(lowered.as_text())
         with open(os.path.join(folder, f"{stem}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
+
+
+def _unused(stem: str, taken: Collection[str]) -> str:
+    """``stem``, or else the first of ``stem_2``, ``stem_3``, ... not ``taken``: the file names of
+    executables of one kind and sink size but other layouts (a join of as many windows of other
+    lengths, a window of another chunk shape)."""
+    name, n = stem, 1
+    while name in taken:
+        n += 1
+        name = f"{stem}_{n}"
+    return name
