@@ -130,7 +130,8 @@ class Sink:
             while True:
                 data, piece, offset = cursor.next_piece(self._peers.agree)
                 if state is not NO_STATE and executor.jit and not parts:  # the caller's state
-                    if piece.ends_call and executor.atomic:  # must stay valid: one dispatch
+                    # must stay valid: donated only where one dispatch is the whole call
+                    if cursor.ends_call(piece, ahead=True) and executor.atomic:
                         handoff.donating(carry)  # donates it; hold Ctrl-C until it returns
                     else:  # a failure between dispatches would lose it: work on a copy
                         carry = copy_tree(carry)

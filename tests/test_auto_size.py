@@ -140,6 +140,63 @@ def test_a_call_that_compiles_holds_that_times_share_less_of_its_target():
     assert sizer.enough(1, MID_EPOCH, compiling=3.0)  # compiling outlasted it: one granule
 
 
+def test_a_call_holds_at_most_max_windows():
+    sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=None, target=10_000)
+    assert not sizer.enough(255, MID_EPOCH, windows=sizing.MAX_WINDOWS - 1)
+    assert sizer.enough(256, MID_EPOCH, windows=sizing.MAX_WINDOWS)
+
+
+def test_a_growing_call_of_small_granules_ends_at_max_windows(monkeypatch):
+    clock = itertools.count(step=1e-3)  # every call "takes" a millisecond: targets x8 a call
+    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    monkeypatch.setattr(sizing, "MAX_WINDOWS", 16)
+    dataset = [{"x": np.int32(i)} for i in range(2000)]
+    # prefetch: many chunks of one-step granules read ahead while the target grows past them
+    with sinkax.data_sink(lambda s, b: (s + 1, b["x"]), dataset, "auto", prefetch=8) as sink:
+        state = jnp.int32(0)
+        for _ in range(4):
+            dispatched = sink.stats.dispatches
+            state, xs = sink(state)
+            assert sink.stats.dispatches - dispatched <= 16
+        assert sink.stats.call_sizes == (1, 8, 16, 16)  # targets 1, 8, 64, 512
+        assert int(state) == 41 and np.asarray(xs).tolist() == list(range(25, 41))
+
+
+def test_a_failed_call_of_several_windows_keeps_the_callers_state(monkeypatch):
+    clock = itertools.count(step=1e-3)  # the second call's target: 8 one-step windows
+    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+
+    def bad_record_5():
+        for i in range(100):
+            if i == 5:
+                raise ValueError("bad record 5")
+            yield {"x": np.int32(i)}
+
+    failing_join = compiler.Compiler.get
+
+    def get(self, kind, *args, **kwargs):
+        if kind == "concat":
+            raise RuntimeError("RESOURCE_EXHAUSTED (simulated)")
+        return failing_join(self, kind, *args, **kwargs)
+
+    step = lambda s, b: (s + 1, b["x"])  # noqa: E731
+    dataset = type("Bad", (), {"__iter__": lambda self: bad_record_5()})()
+    with sinkax.data_sink(step, dataset, "auto", strategy="scan") as sink:
+        state, _ = sink(jnp.int32(0))
+        with pytest.raises(ValueError, match="bad record 5"):  # in the call's 5th window
+            sink(state)
+        assert int(state) == 1 and sink.step == 1  # not donated to the windows before
+    with sinkax.data_sink(step, [{"x": np.int32(i)} for i in range(100)], "auto") as sink:
+        state, _ = sink(jnp.int32(0))
+        monkeypatch.setattr(compiler.Compiler, "get", get)  # the windows run, their join fails
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            sink(state)
+        monkeypatch.setattr(compiler.Compiler, "get", failing_join)
+        assert int(state) == 1 and sink.step == 1
+        state, xs = sink(state)  # the failed call's batches come again
+        assert int(state) == 9 and np.asarray(xs).tolist() == list(range(1, 9))
+
+
 def test_a_steady_target_keeps_its_size_and_a_changed_rate_moves_it():
     sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=None, target=1000)
     targets = []

@@ -92,7 +92,7 @@ class Cursor:
         self.steps = self.calls = 0
         self.data_wait_s = self.busy_s = 0.0
         self._call_started = (0.0, 0.0)  # the clock and the data wait at the call's start
-        self._call_steps = 0  # the steps this call kept so far
+        self._call_steps = self._call_windows = 0  # the steps this call kept, its windows
         self._start_ring()
 
     # -- where the data stands -----------------------------------------------------------
@@ -155,7 +155,8 @@ class Cursor:
 
     def begin(self) -> None:
         """A call starts (its time, less its wait for data, is the sink's busy time)."""
-        self._call_started, self._call_steps = (time.perf_counter(), self.data_wait_s), 0
+        self._call_started = (time.perf_counter(), self.data_wait_s)
+        self._call_steps = self._call_windows = 0
         if self.sizer:
             self.sizer.started()
 
@@ -188,13 +189,16 @@ class Cursor:
         self._offset += piece.steps
         self.steps += steps
         self._call_steps += steps
+        self._call_windows += 1
 
-    def ends_call(self, piece: Piece, compiling: float = 0.0) -> bool:
-        """Whether the call ends with ``piece``, just run: where the plan ends a call (auto: a
-        granule) and, auto, it is long enough, ``compiling`` seconds spent compiling (sizing)."""
+    def ends_call(self, piece: Piece, compiling: float = 0.0, *, ahead: bool = False) -> bool:
+        """Whether the call ends with ``piece``, just run (``ahead``: about to run): where the
+        plan ends a call (auto: a granule) and, auto, it is long enough, ``compiling`` seconds
+        spent compiling (see :meth:`CallSizer.enough`; compiling only ends a call sooner)."""
         if self.sizer is None or not piece.ends_call:
             return piece.ends_call
-        return self.sizer.enough(self._call_steps, piece.position, compiling)
+        steps, windows = self._call_steps + ahead * piece.steps, self._call_windows + ahead
+        return self.sizer.enough(steps, piece.position, compiling, windows)
 
     def commit(self, piece: Piece, compiling: float = 0.0) -> None:
         """The call that ended with ``piece`` delivers its results: its position is committed;
@@ -207,13 +211,10 @@ class Cursor:
 
     def stop(self) -> None:
         """The call ends early, its results delivered: commit the position after the batches it
-        kept (see :meth:`ran`), the first it did not, and read ahead from there again.
-
-        The source is moved to the call's start and read up to that batch (a grain
-        ``MapDataset`` reads those elements again; see :mod:`sinkax.channel.source`).
-        ``SinkTimeoutError`` if the producer does not stop (the next call then rewinds to the
-        call's start).
-        """
+        kept (see :meth:`ran`), the first it did not, and read ahead from there again: the
+        source is moved to the call's start and read up to that batch (a grain ``MapDataset``
+        reads those elements again; see :mod:`sinkax.channel.source`). ``SinkTimeoutError`` if
+        the producer does not stop (the next call then rewinds to the call's start)."""
         start, kept = self._committed, self._call_steps
         self._resync = True  # until a producer runs from the new position
         if not self._stop_ring():
@@ -273,11 +274,8 @@ class Cursor:
 
     def _release_in_flight(self, wait: bool = False) -> None:
         """Free the last dispatched window's chunk's slot: the producer refills it once the
-        window's compute is done, so the calls go on meanwhile; with ``wait``, wait for it here.
-
-        An unstacked ring's chunk owns no memory that the ring reuses (the batches were handed
-        over one by one), so its slot is freed without waiting.
-        """
+        window's compute is done (``wait``: wait for that here); an unstacked ring's at once
+        (its chunks own no memory the ring reuses: the batches were handed over one by one)."""
         if self._in_flight is None:
             return
         done = self._in_flight[0] if self._ring.packer.staged else None
