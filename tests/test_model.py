@@ -195,6 +195,15 @@ def test_eval_and_predict_on_a_learnable_problem():
     assert logits.shape == (16, 2)
 
 
+@pytest.mark.parametrize("stop", ["loss", True])
+def test_eval_runs_the_whole_pass_whatever_the_models_training_options(stop):
+    data = blobs(6, seed=1)
+    data[3] = {**data[3], "image": np.where(np.arange(2) == 0, np.nan, data[3]["image"])}
+    model = new_model(sink_options={"strategy": "loop", "stop_if_nonfinite": stop})
+    for sink_mode in (True, False):  # a stop at batch 3 would average batches 0-2 only
+        assert np.isnan(model.eval(data, dataset_sink_mode=sink_mode)["loss"])
+
+
 def test_eval_weighs_a_ragged_last_batch_by_its_size_in_non_sink_mode():
     data = blobs(3)
     ragged = [*data[:2], {"image": data[2]["image"][:4], "label": data[2]["label"][:4]}]

@@ -12,6 +12,17 @@ from sinkax.channel.source import known_length
 from sinkax.pytree import copy_tree
 from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
 
+# Options of a model's sink_options that shape training, not a pass of evaluation: a stop at a
+# non-finite step would end the pass early and average part of it.
+TRAINING_ONLY = (
+    "stop_if_nonfinite",
+    "progress",
+    "progress_every",
+    "call_seconds",
+    "calls",
+    "total_steps",
+)
+
 
 class Evaluator:
     """Evaluates variables over one pass of a dataset per call, on one sink for all ``passes``
@@ -19,6 +30,7 @@ class Evaluator:
 
     ``eval_step(variables, batch) -> (variables, (metrics, count))`` carries the variables
     through and weights each batch's metrics by ``count`` (its real examples).
+    ``sink_options`` (a model's) configure its sink, but for those of :data:`TRAINING_ONLY`.
 
     >>> import numpy as np
     >>> step = lambda v, b: (v, ({"loss": (b - v) ** 2}, np.int32(1)))
@@ -41,7 +53,7 @@ class Evaluator:
                 f"known length; {type(dataset).__name__} has no len(). Give a sized dataset (a "
                 "grain MapDataset, a list, an object with __len__)."
             )
-        options = dict(sink_options or {})
+        options = {k: v for k, v in (sink_options or {}).items() if k not in TRAINING_ONLY}
         self._helper = DatasetHelper(dataset, dataset_sink_mode, -1, passes, **options)
         self._net = connect_network_with_dataset(eval_step, self._helper)
 
