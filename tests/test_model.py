@@ -509,6 +509,65 @@ def test_resume_continues_with_exactly_the_next_batch(tmp_path):
     assert_trees_equal(resumed.state, uninterrupted.state)
 
 
+class _SaveAndStopAt(Callback):
+    """Saves with ``checkpoint`` (its "save now") once ``step`` steps ran, and stops there."""
+
+    def __init__(self, checkpoint, step):
+        self.checkpoint, self.step = checkpoint, step
+
+    def on_step_end(self, run):
+        if run.step >= self.step:
+            self.checkpoint.save(run)
+            run.request_stop()
+
+
+class _Epochs(Callback):
+    def __init__(self):
+        self.ended = []
+
+    def on_epoch_end(self, run):
+        self.ended.append((run.epoch, run.step_in_epoch))
+
+
+@pytest.mark.parametrize(
+    ("options", "save_at", "completed"),
+    [
+        ({"sink_size": "auto", "call_seconds": 1e6}, 9, 0),  # calls of 1, 8, 1 steps, then 10
+        ({"dataset_sink_mode": False}, 17, 1),  # a call a step
+    ],
+    ids=["auto", "non-sink"],
+)
+def test_a_checkpoint_saved_within_an_epoch_resumes_that_epoch(
+    tmp_path, options, save_at, completed
+):
+    dataset = shuffled_blobs(10)
+    uninterrupted = new_model(**SCAN)
+    uninterrupted.train(3, dataset, **options)
+    checkpoint = ModelCheckpoint(tmp_path)
+    new_model(**SCAN).train(
+        3, dataset, [checkpoint, _SaveAndStopAt(checkpoint, save_at)], **options
+    )
+    meta = new_model().restore(tmp_path)
+    assert (meta["step"], meta["epoch"], meta["step_in_epoch"]) == (
+        save_at,
+        completed,
+        save_at % 10,
+    )
+    resumed, epochs = new_model(**SCAN), _Epochs()
+    run = resumed.train(3, dataset, epochs, resume_from=tmp_path, **options)
+    assert run.initial_epoch == completed and run.step == 30
+    assert epochs.ended == [(epoch, 10) for epoch in range(completed + 1, 4)]
+    assert_trees_equal(resumed.state, uninterrupted.state)
+
+
+def test_a_save_at_an_epochs_end_is_not_saved_again(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path)
+    run = new_model().train(2, blobs(4), [checkpoint, _SaveAndStopAt(checkpoint, 4)], sink_size=2)
+    assert run.step == 4 and checkpoint.latest_step() == 4  # then on_epoch_end at the same step
+    resumed = new_model().train(3, blobs(4), checkpoint, sink_size=2, resume_from=tmp_path)
+    assert resumed.step == 6 and checkpoint.latest_step() == 6
+
+
 def test_resume_continues_with_the_strategy_auto_chose(tmp_path, monkeypatch):
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a window a trial: 3 at most
     checkpoint = ModelCheckpoint(tmp_path, keep_last=1)

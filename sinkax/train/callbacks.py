@@ -35,7 +35,9 @@ class RunContext:
     """What callbacks see of a training run; updated after every sink (or step).
 
     ``epoch`` counts from 1 as MindSpore prints it; ``step`` is the global number of steps done
-    (it continues across resumed runs); ``step_in_epoch`` the steps done in this epoch.
+    (it continues across resumed runs); ``step_in_epoch`` the steps done in this epoch, and
+    ``epoch_steps`` those it holds in all (a run resumed within an epoch counts the steps run
+    before it in both): the epoch has ended once they are equal.
     ``outputs`` holds the train step's per-step metrics of the last sink, still on the device.
     ``state`` is donated to the next sink: a callback that keeps it (the best params so far)
     keeps a copy, e.g. ``jax.device_get(run.state.params)``.
@@ -49,6 +51,7 @@ class RunContext:
     epoch: int
     step: int
     step_in_epoch: int = 0
+    epoch_steps: int = 0
     outputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict, repr=False)
     stop_requested: bool = False
     nonfinite: NonFinite | None = None  # where the last sink stopped (stop_if_nonfinite)

@@ -126,6 +126,7 @@ class ModelCheckpoint(Callback):
                 f"start (step {run.step}): they belong to another run. Resume from them with "
                 "model.train(..., resume_from=directory), or save into an empty directory."
             )
+        self._saved = latest  # a resumed run's first step: saved already
 
     def on_epoch_end(self, run: RunContext) -> None:
         self._completed = run.epoch
@@ -151,11 +152,17 @@ class ModelCheckpoint(Callback):
         self._close()  # pending writes finish, also when training failed after a save
 
     def save(self, run: RunContext) -> None:
-        """Save now (asynchronously: the state is copied to the host first)."""
+        """Save now (asynchronously: the state is copied to the host first), unless this step
+        is saved already. Within an epoch, the checkpoint records the epochs completed before
+        it and the steps run of it: a run resumed from it finishes that epoch."""
         ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
+        if self._saved == run.step:  # e.g. by the user's callback, then at the epoch's end
+            return
         state = jax.device_get(run.state)
+        ended = run.step_in_epoch >= run.epoch_steps
         meta = {
-            "epoch": run.epoch,
+            "epoch": run.epoch if ended else run.epoch - 1,  # the epochs completed
+            "step_in_epoch": 0 if ended else run.step_in_epoch,
             "step": run.step,
             "data_state": distributed.shared_position(run.data_state()),
             "layout": layout(state),

@@ -180,20 +180,22 @@ class Model:
 
         Epochs ``initial_epoch + 1 .. epoch`` run (numbered from 1, as printed).
         ``resume_from`` (a checkpoint directory or :class:`ModelCheckpoint`) restores the state,
-        the epoch count and the data position of its latest checkpoint, so training continues
-        with exactly the next batch. One sink serves the whole call (its producer prefetches
+        the epochs completed and the data position of its latest checkpoint, so training
+        continues with exactly the next batch (in the epoch it was saved in, if that had not
+        ended). One sink serves the whole call (its producer prefetches
         across epoch boundaries) and is closed at the end. With ``enable_profiling`` set in
         :func:`sinkax.set_context`, the run is traced.
         """
         if self._train_step is None:
             raise ValueError("This Model has no optimizer: pass optimizer= to train it.")
         _check_epochs(epoch, initial_epoch)
-        state, data_state = self.state, None
+        state, data_state, resumed_in_epoch = self.state, None, 0
         if resume_from is not None:
             if initial_epoch:
                 raise ValueError("Pass initial_epoch or resume_from, not both.")
             state, meta = self._load(resume_from)
             initial_epoch, data_state = meta["epoch"], meta["data_state"]
+            resumed_in_epoch = meta.get("step_in_epoch", 0)  # saved before its epoch ended
             _check_epochs(epoch, initial_epoch)
         if not dataset_sink_mode and sink_size != -1:
             warn(
@@ -237,9 +239,9 @@ class Model:
             _notify(callbacks, "on_train_begin", run)
             self.state = state  # every check has passed: the run starts
             for number in range(initial_epoch + 1, epoch + 1):
-                run.epoch, run.step_in_epoch = number, 0
+                run.epoch, run.step_in_epoch, resumed_in_epoch = number, resumed_in_epoch, 0
+                run.epoch_steps = run.step_in_epoch + helper.epoch_steps  # a stop runs fewer
                 _notify(callbacks, "on_epoch_begin", run)
-                whole = helper.epoch_steps  # a stop (or a sink cut short) runs fewer
                 for _ in helper:
                     self.state, run.outputs = net(self.state)
                     steps = len(run.outputs["loss"])
@@ -249,7 +251,7 @@ class Model:
                     _notify(callbacks, "on_step_end", run)
                     if run.stop_requested:
                         break
-                if run.step_in_epoch == whole:
+                if run.step_in_epoch == run.epoch_steps:
                     _notify(callbacks, "on_epoch_end", run)
                 if run.stop_requested:
                     break
@@ -259,7 +261,8 @@ class Model:
     def restore(self, checkpoint: str | ModelCheckpoint, step: int | None = None) -> dict[str, Any]:
         """Load checkpoint ``step`` (default: latest) into :attr:`state`; returns its metadata.
 
-        The metadata has ``epoch``, ``step`` and ``data_state`` (pass it to
+        The metadata has ``epoch`` (the epochs completed), ``step``, ``step_in_epoch`` (the
+        steps of the next epoch run before it) and ``data_state`` (pass it to
         :class:`~sinkax.train.DatasetHelper` or :func:`sinkax.data_sink` to continue a custom
         loop). A checkpoint of a model with another layout raises ``ValueError`` untouched.
         """
@@ -275,7 +278,8 @@ class Model:
         state, meta = checkpoint.restore(self.state, step)
         state = jax.device_put(state, backend.default_device())
         meta["data_state"] = distributed.own_position(meta["data_state"])
-        return state, {key: meta[key] for key in ("epoch", "step", "data_state")}
+        keys = ("epoch", "step", "step_in_epoch", "data_state")  # (older ones: no step_in_epoch)
+        return state, {key: meta[key] for key in keys if key in meta}
 
     def eval(self, valid_dataset: Any, dataset_sink_mode: bool = True) -> dict[str, float]:
         """``{"loss", *metrics}`` over exactly one pass of ``valid_dataset``.
