@@ -1,6 +1,7 @@
 """``Model`` train/eval/predict, the train and eval steps, ``DatasetHelper``, resuming."""
 
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -25,6 +26,7 @@ from sinkax.train import (
     History,
     Model,
     ModelCheckpoint,
+    ProgressBar,
     TerminateOnNaN,
     TrainState,
     connect_network_with_dataset,
@@ -455,6 +457,25 @@ def test_terminate_on_nan_stops_at_the_nonfinite_step_with_the_state_before_it()
     assert recorder.events[-2:] == [("step_end", 2, 1, 1), ("train_end", 2, 5)]
     kept, _ = reference(data[:5], 5)  # the NaN step's update was not kept
     assert_trees_close(model.state.params, kept.params, rtol=1e-5, atol=1e-6)
+
+
+def test_terminate_on_nan_names_the_first_nonfinite_step_and_only_this_runs():
+    data = blobs(10)
+    poisoned = [*data[:5], *({"image": b["image"] * np.nan, "label": b["label"]} for b in data[5:])]
+    stop = TerminateOnNaN()
+    unguarded = new_model(sink_options={"strategy": "scan", "stop_if_nonfinite": False})
+    unguarded.train(3, poisoned, callbacks=stop, sink_size=4)  # steps 5-8 ran: 6 is the first
+    assert stop.stopped_at == (2, 2) and stop.batch is None
+    new_model(**SCAN).train(1, data, callbacks=stop)  # the same callback, a run without NaN
+    assert stop.stopped_at is None and stop.batch is None
+
+
+def test_the_progress_bar_counts_the_steps_kept_after_a_stop():
+    data = blobs(10)
+    poisoned = [*data[:5], {"image": data[5]["image"] * np.nan, "label": data[5]["label"]}]
+    bar = ProgressBar(every=1, file=io.StringIO())  # the device reports every step it computes
+    run = new_model(**SCAN).train(2, poisoned + data[6:], [TerminateOnNaN(), bar], sink_size=8)
+    assert run.step == 5 and bar.bar.n == 5  # not 8: the stop discarded steps 6-8
 
 
 def test_without_a_sink_too_the_nan_step_is_not_kept():

@@ -17,7 +17,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sinkax.train import checks
@@ -210,14 +209,19 @@ class TerminateOnNaN(Callback):
     def sink_options(self) -> dict[str, Any]:
         return {"stop_if_nonfinite": "loss"}
 
+    def on_train_begin(self, run: RunContext) -> None:
+        self.stopped_at = self.batch = None  # of this run, not an earlier one
+
     def on_step_end(self, run: RunContext) -> None:
         if run.nonfinite is not None:
             self.stopped_at, self.batch = (run.epoch, run.step_in_epoch + 1), run.nonfinite
             where = f", batch at data epoch {self.batch.epoch}, step {self.batch.step}"
-        elif not bool(jnp.all(run.outputs["finite"])):
-            self.stopped_at, where = (run.epoch, run.step_in_epoch), ""
         else:
-            return
+            finite = np.asarray(run.outputs["finite"])
+            if finite.all():
+                return
+            first = len(finite) - int(np.argmin(finite))  # steps from the first non-finite one
+            self.stopped_at, where = (run.epoch, run.step_in_epoch - first + 1), ""
         print(
             f"epoch: {self.stopped_at[0]} step: {self.stopped_at[1]}, non-finite loss{where}: "
             "terminating training.",
@@ -244,7 +248,7 @@ class ProgressBar(Callback):
         self.every = checks.count("every", every)
         self.tqdm_options = tqdm_options
         self.bar: Any = None
-        self._epoch = 0
+        self._epoch = self._start = 0
 
     def sink_options(self) -> dict[str, Any]:
         return {"progress": self._advance, "progress_every": self.every}
@@ -253,6 +257,13 @@ class ProgressBar(Callback):
         tqdm = checks.optional("tqdm.std", "ProgressBar").tqdm
         total = (run.epochs - run.initial_epoch) * (run.steps_per_epoch or 0) or None
         self.bar = tqdm(total=total, unit="step", **self.tqdm_options)
+        self._start = run.step
+
+    def on_step_end(self, run: RunContext) -> None:
+        if run.nonfinite is not None:  # the device reported the steps a stop discarded too
+            jax.effects_barrier()
+            self.bar.n = run.step - self._start
+            self.bar.refresh()
 
     def on_epoch_begin(self, run: RunContext) -> None:
         self._epoch = run.epoch
