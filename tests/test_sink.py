@@ -471,6 +471,34 @@ def test_rewinding_waits_for_a_blocked_dataset_and_loses_nothing(batches):
     np.testing.assert_allclose(np.concatenate(losses), reference_run(batches, 6)[1], rtol=1e-5)
 
 
+def test_a_call_that_cuts_the_chunk_while_the_ragged_last_batch_is_read_keeps_that_batch():
+    class RaggedLastBlocks:  # 5 batches, the last of 2 rows, read once the gate opens
+        at_gate, unblock = threading.Event(), threading.Event()
+
+        def __len__(self):
+            return 5
+
+        def __iter__(self):
+            for i in range(5):
+                if i == 4:
+                    self.at_gate.set()
+                    self.unblock.wait()
+                yield {"x": np.full((2 if i == 4 else 4,), float(i), np.float32)}
+
+    dataset, step = RaggedLastBlocks(), lambda total, b: (total + b["x"].sum(), b["x"][0])
+    with sinkax.data_sink(step, dataset, 1, strategy="step", ragged_last=True) as sink:
+        state, firsts = jnp.float32(0), []
+        assert dataset.at_gate.wait(60)
+        for _ in range(4):  # batches 0-3: the calls cut the chunk the producer builds
+            state, first = sink(state)
+            firsts.append(float(first[0]))
+        dataset.unblock.set()  # batch 4 comes, after the cut: it is checked as the last
+        for _ in range(6):
+            state, first = sink(state)
+            firsts.append(float(first[0]))
+    assert firsts == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4] and float(state) == 2 * (4 * 6 + 2 * 4)
+
+
 def test_interrupted_call_keeps_the_state_and_loses_no_batch(batches):
     class SlowAfterFirstChunk:
         def __iter__(self):

@@ -195,7 +195,7 @@ class DeviceRing:
                     with self._lock:
                         if build.taken is not None:  # the batch starts the next chunk
                             self._building = None
-                            return layout[build.taken :], [*build.carry, batch, *pending]
+                            return layout[build.taken :], [*build.carry, _Row(leaves), *pending]
                         self.packer.write(build, spec, leaves)
                         build.filled += 1
                     if self._stopped:
