@@ -455,6 +455,34 @@ def test_close_does_not_wait_forever_for_a_blocked_dataset(batches):
     assert not producers_left(before)
 
 
+def test_close_during_a_restore_in_another_thread_leaves_no_producer():
+    class GatedReplay:  # a re-iterable whose replay (its second pass) waits at batch 30
+        passes, at_gate, unblock = 0, threading.Event(), threading.Event()
+
+        def __len__(self):
+            return 100
+
+        def __iter__(self):
+            self.passes += 1
+            for i in range(100):
+                if self.passes > 1 and i == 30:
+                    self.at_gate.set()
+                    self.unblock.wait()
+                yield {"index": np.array([i], np.int32)}
+
+    before, dataset = producer_threads(), GatedReplay()
+    sink = sinkax.data_sink(lambda s, b: (s + 1, b["index"][0]), dataset, 4)
+    sink(jnp.int32(0))
+    saved = {**sink.data_state(), "step": 60, "source": {"epoch": 0, "step": 60}}
+    restore = threading.Thread(target=sink.restore_data_state, args=(saved,))
+    restore.start()
+    assert dataset.at_gate.wait(60)  # the restore replays batches 0-59, its producer stopped
+    sink.close()
+    dataset.unblock.set()
+    restore.join(60)
+    assert not restore.is_alive() and not producers_left(before)  # none started after close
+
+
 def test_rewinding_waits_for_a_blocked_dataset_and_loses_nothing(batches):
     dataset = BlocksAfter(batches, 3)
     with sinkax.data_sink(train_step, dataset, 1, timeout=0.3) as sink:

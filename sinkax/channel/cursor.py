@@ -46,10 +46,6 @@ from sinkax.spec import BatchSpec
 Agree = Callable[[Callable[[], Chunk], Callable[[Chunk], dict[str, Any]]], Chunk]
 
 
-def _now(take: Callable[[], Chunk], describe: Callable[[Chunk], dict[str, Any]]) -> Chunk:
-    return take()
-
-
 class Cursor:
     """The data position of a sink over ``source``, configured by ``config`` (steps per call,
     prefetch, chunk bytes, timeout, sharding), fed by a :class:`~sinkax.channel.ring.DeviceRing`
@@ -93,6 +89,7 @@ class Cursor:
         self.data_wait_s = self.busy_s = 0.0
         self._call_started = (0.0, 0.0)  # the clock and the data wait at the call's start
         self._call_steps = self._call_windows = 0  # the steps this call kept, its windows
+        self._closed = False  # once closed, no producer starts (a running call's stop, rewind)
         self._start_ring()
 
     # -- where the data stands -----------------------------------------------------------
@@ -160,13 +157,13 @@ class Cursor:
         if self.sizer:
             self.sizer.started()
 
-    def next_piece(self, agree: Agree = _now) -> tuple[Any, Piece, int]:
+    def next_piece(self, agree: Agree | None = None) -> tuple[Any, Piece, int]:
         """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.
 
-        ``agree(take, describe)`` takes the chunk (across processes: once all agree that
-        ``describe`` of it is the same everywhere, see :class:`sinkax.peers.Peers`).
+        ``agree(take, describe)``, if given, takes the chunk (across processes: once all agree
+        that ``describe`` of it is the same everywhere, see :class:`sinkax.peers.Peers`).
         """
-        chunk = agree(self._current_chunk, self._describe)
+        chunk = agree(self._current_chunk, self._describe) if agree else self._current_chunk()
         return chunk.data, chunk.pieces[self._piece], self._offset
 
     def _describe(self, chunk: Chunk) -> dict[str, Any]:
@@ -291,6 +288,8 @@ class Cursor:
 
     # -- the ring ------------------------------------------------------------------------
     def _start_ring(self) -> None:
+        if self._closed:  # by another thread, while a call stopped or rewound
+            return
         with interrupt.held():  # a producer started is a producer recorded (and closed)
             left = None if self._calls is None else self._calls - self.calls
             steps = self.sizer.steps_left() if self.sizer else None  # "auto"'s total_steps
@@ -341,6 +340,7 @@ class Cursor:
         """Stop the producer and free the device chunks. While a call is ``running`` (in another
         thread) it owns the chunks: it is only woken (it fails with
         :class:`~sinkax.SinkClosedError`). Warns if the producer is stuck in the dataset."""
+        self._closed = True
         if running:
             self._finalizer.detach()
             self._ring.close(self.timeout)
