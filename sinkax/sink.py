@@ -73,6 +73,14 @@ class Sink:
         # before the producer starts: its first transfers are this sink's
         self._interactions_at_start = pjrt.counted(placement.platform(config.sharding))
         try:
+            if guard.watcher(config.stop_if_nonfinite) and not source.rereadable:
+                raise ValueError(
+                    "stop_if_nonfinite needs a dataset the sink can read again from the batch "
+                    "where a step was not finite (its producer reads ahead), but this one is a "
+                    "one-shot iterator (iter() of it gives itself, as for a generator). Give a "
+                    "re-iterable: a list, a grain MapDataset/IterDataset/DataLoader, or an "
+                    "object whose __iter__ starts a new pass."
+                )
             steps = config.check_length(source.epoch_length, dataset)
             start = None if data_state is None else DataPosition.from_dict(data_state)
             recorded = start.strategy if start else None

@@ -261,6 +261,19 @@ def test_a_generators_sink_survives_a_refused_data_state():
         assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == [2, 3]
 
 
+def test_a_one_shot_iterator_is_never_rewound_past_what_it_yielded():
+    batches = iter([{"index": np.array([i], np.int32)} for i in range(200)])  # iter(list)
+    with sinkax.data_sink(collect_index, batches, 2) as sink:
+        sink(jnp.int32(0))
+        saved = sink.data_state()  # step 2: the producer has read past it
+        with pytest.raises(ValueError, match=r"one-shot iterator.*cannot go back.*step 2"):
+            sink.restore_data_state(saved)  # (it read on from where the producer was)
+        assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == [2, 3]
+    for one_shot in (iter(range(4)), (np.float32(i) for i in range(4))):  # a stop rewinds
+        with pytest.raises(ValueError, match=r"stop_if_nonfinite.*one-shot iterator"):
+            sinkax.data_sink(lambda s, b: (s + b, s), one_shot, 2, stop_if_nonfinite=True)
+
+
 def test_a_generator_fails_at_its_second_epoch_with_the_fix():
     batches = ({"index": np.array([i], np.int32)} for i in range(4))
     with sinkax.data_sink(collect_index, batches, 2) as sink:

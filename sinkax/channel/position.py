@@ -142,8 +142,8 @@ class DataPosition:
 
 
 def check_fits(source: Source, data: DataPosition) -> None:
-    """``ValueError`` if ``data`` is not a position of ``source``'s kind and length; changes
-    nothing."""
+    """``ValueError`` if ``data`` is not a position of ``source``'s kind and length, or one a
+    one-shot iterator is not at; changes nothing."""
     try:
         source.check_state(data.source)
     except ValueError as error:
@@ -153,6 +153,15 @@ def check_fits(source: Source, data: DataPosition) -> None:
         ) from None
     if data.epoch_length is not None and data.epoch_length != source.epoch_length:
         raise _length_error(data, f"{data.epoch_length} batches per epoch", source.epoch_length)
+    here = source.position
+    if not source.rereadable and data.position != here:
+        raise ValueError(
+            f"The dataset is a one-shot iterator (iter() of it gives the iterator itself, as for "
+            f"a generator): it is read to epoch {here.epoch}, step {here.step} and cannot go "
+            f"back to epoch {data.epoch}, step {data.step}, as a rewind after an interrupted "
+            "call, restore_data_state or a resume must. Give a re-iterable: a list, a grain "
+            "MapDataset/IterDataset/DataLoader, or an object whose __iter__ starts a new pass."
+        )
 
 
 def _length_error(data: DataPosition, saved: str, length: int | None) -> ValueError:
@@ -168,6 +177,8 @@ def move_to(source: Source, data: DataPosition) -> None:
     saved over a dataset of another epoch length (the source is then left where the state put
     it: restore it)."""
     check_fits(source, data)
+    if not source.rereadable:  # a one-shot iterator at `data` already (see check_fits)
+        return
     try:
         source.set_state(dict(data.source))
     except Exception as error:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import inspect
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -48,6 +49,7 @@ class Source(Protocol):
     epoch_length: int | None
     position: Position
     keeps_batches: bool  # a batch it yielded stays as it is once it is read on (none refilled)
+    rereadable: bool  # it can go back to a position it has read past (not a one-shot iterator)
 
     def __next__(self) -> Any: ...
     def get_state(self) -> dict[str, Any]: ...
@@ -91,6 +93,7 @@ class MapDatasetSource:
     """A grain ``MapDataset`` read endlessly with per-epoch reshuffling."""
 
     keeps_batches = True  # grain makes every element anew
+    rereadable = True
 
     def __init__(self, dataset: grain.MapDataset, read_options: grain.ReadOptions | None = None):
         self.epoch_length = known_length(dataset)
@@ -166,6 +169,14 @@ def fingerprint(batch: Any) -> str:
     return digest.hexdigest()
 
 
+def _one_shot(dataset: Any, iterator: Any) -> bool:
+    """Whether ``dataset`` is an iterator that cannot start a new pass: ``iter()`` of it gives
+    itself through a built-in ``__iter__`` (a generator, ``iter(a_list)``, a ``map``). A class
+    whose own ``__iter__`` returns itself may restart its pass there, and counts as none."""
+    own = inspect.getattr_static(type(dataset), "__iter__", None)
+    return iterator is dataset and not inspect.isfunction(own)
+
+
 class IterableSource:
     """Any re-iterable: one pass is one epoch, iterated again for the next."""
 
@@ -175,6 +186,7 @@ class IterableSource:
             raise _empty_error(dataset)
         self._dataset = dataset
         self._iterator: Iterator[Any] = iter(dataset)
+        self.rereadable = not _one_shot(dataset, self._iterator)
         self._passes = 1  # iterators made: a one-shot iterator yields nothing after the first
         self._pass_done = False
         self.position = Position(0, 0)
