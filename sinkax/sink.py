@@ -317,7 +317,9 @@ def data_sink(
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
       calls: the calls this sink will make, if known (``DatasetHelper`` and ``Model`` pass
         their epochs): its producer then reads and moves to the device nothing past them, and a
-        call after them raises :class:`~sinkax.errors.SinkExhaustedError`. Default: no limit.
+        call after them raises :class:`~sinkax.errors.SinkExhaustedError`; a call that
+        ``stop_if_nonfinite`` ends early is not counted (the batches it left are still to
+        come). Default: no limit.
       total_steps: for ``sink_size="auto"``, instead of ``calls``, the steps the sink will run,
         if known (``DatasetHelper`` and ``Model`` pass their epochs' steps): its last call ends
         there whatever its target, and nothing past them is read or moved.

@@ -347,6 +347,65 @@ def test_a_second_run_of_the_same_step_compiles_nothing(backend_compiles, sink_m
     assert backend_compiles == []
 
 
+class _NaNOnce:
+    """12 batches; batch 5's image is not finite the first time it is read (a transient fault)."""
+
+    def __init__(self):
+        self.data, self.reads = blobs(12), 0
+
+    def __len__(self):
+        return 12
+
+    def __iter__(self):
+        for i, batch in enumerate(self.data):
+            self.reads += i == 5
+            yield (
+                {**batch, "image": batch["image"] * np.nan} if i == 5 and self.reads == 1 else batch
+            )
+
+
+@pytest.mark.parametrize(
+    ("sink_size", "steps", "ended"),
+    [
+        (-1, 36, [(1, 12), (2, 12), (3, 12)]),  # epoch 1 runs on past its stop at batch 5
+        ("auto", 36, [(1, 12), (2, 12), (3, 12)]),
+        (4, 9, [(1, 4), (3, 4)]),  # an epoch is a call: epoch 2 (batches 4-7) ends at batch 5
+    ],
+)
+def test_training_goes_on_past_a_stop_with_every_epoch_and_no_batch_lost(sink_size, steps, ended):
+    stop = {"sink_options": {"strategy": "scan", "stop_if_nonfinite": "loss"}}
+    epochs = _Epochs()  # no TerminateOnNaN: training goes on after the stop
+    run = new_model(**stop).train(3, _NaNOnce(), epochs, sink_size=sink_size)
+    assert run.step == steps and epochs.ended == ended  # batch 5, read again, was finite
+
+
+@pytest.mark.parametrize("sink_size", [4, -1])
+def test_a_helper_loop_that_retries_an_epoch_after_a_stop_runs_every_epoch(sink_size):
+    class NaNOnceAt4:  # batch 4, the first of the second call of 4, is not finite once
+        reads = 0
+
+        def __len__(self):
+            return 12
+
+        def __iter__(self):
+            for i in range(12):
+                self.reads += i == 4
+                yield np.float32(np.nan if i == 4 and self.reads == 1 else i)
+
+    step = lambda total, x: (total + x, {"loss": x})  # noqa: E731
+    with DatasetHelper(
+        NaNOnceAt4(), sink_size=sink_size, epoch_num=3, stop_if_nonfinite="loss"
+    ) as h:
+        net, state, seen, epochs = connect_network_with_dataset(step, h), np.float32(0), [], 0
+        while epochs < 3:
+            for _ in h:
+                state, outs = net(state)
+                seen += np.asarray(outs["loss"]).astype(int).tolist()
+            epochs += net.nonfinite is None  # a stop at once: the loop runs the epoch again
+    per_epoch = 4 if sink_size == 4 else 12
+    assert seen == [i % 12 for i in range(3 * per_epoch)]
+
+
 def test_helper_misuse_is_explained():
     step = make_train_step(linear, cross_entropy, OPTIMIZER)
     helper = DatasetHelper(blobs(2), epoch_num=1)

@@ -85,7 +85,7 @@ class Cursor:
         # (what is ready once the last window dispatched has computed,), or None: none is
         self._in_flight: tuple[Any] | None = None
         self._resync = False  # data was taken and not delivered: rewind before the next call
-        self.steps = self.calls = 0
+        self.steps = self.calls = self._stops = 0  # _stops: calls ended early (stop)
         self.data_wait_s = self.busy_s = 0.0
         self._call_started = (0.0, 0.0)  # the clock and the data wait at the call's start
         self._call_steps = self._call_windows = 0  # the steps this call kept, its windows
@@ -223,7 +223,7 @@ class Cursor:
         for _ in range(kept):
             next(self._source)
         self._count_call()
-        self._committed = DataPosition.of(self._source)
+        self._committed, self._stops = DataPosition.of(self._source), self._stops + 1
         self._start_ring()
         self._resync = False
 
@@ -291,7 +291,7 @@ class Cursor:
         if self._closed:  # by another thread, while a call stopped or rewound
             return
         with interrupt.held():  # a producer started is a producer recorded (and closed)
-            left = None if self._calls is None else self._calls - self.calls
+            left = None if self._calls is None else self._calls - self.calls + self._stops
             steps = self.sizer.steps_left() if self.sizer else None  # "auto"'s total_steps
             self._ring = DeviceRing(
                 self._source,

@@ -142,8 +142,9 @@ class DatasetHelper:
 
     # -- iteration --------------------------------------------------------------------------
     def __len__(self) -> int:
-        """Items in the next epoch: ``1`` in sink mode, the batches left in non-sink mode; a
-        ``TypeError`` for ``sink_size="auto"``, whose calls are sized as they run."""
+        """Items in the next epoch: ``1`` in sink mode (for ``-1``, one more after a call that
+        ``stop_if_nonfinite`` ended early), the batches left in non-sink mode; a ``TypeError``
+        for ``sink_size="auto"``, whose calls are sized as they run."""
         if self.sink_size == AUTO:
             raise TypeError(
                 "A DatasetHelper of sink_size='auto' sizes its calls as they run: the items of "
@@ -167,10 +168,10 @@ class DatasetHelper:
             for _ in range(len(self)):
                 sink.item = (sink.epoch, sink.step)  # type: ignore[attr-defined]
                 yield 1
-        elif self.sink_size == AUTO:
-            yield from _auto_calls(sink)
-        else:
+        elif self._sink_steps:
             yield self.epoch_steps
+        else:  # "auto" or -1: to the pass's end, also past a call a stop ended early
+            yield from _calls_of_pass(sink)
         self._count_epoch()
 
     def _count_epoch(self) -> None:
@@ -211,10 +212,10 @@ class DatasetHelper:
         self.close()
 
 
-def _auto_calls(sink: Sink) -> Iterator[None]:
-    """The items of a ``sink_size="auto"`` epoch: one per call, until a call ends the pass --
-    or moves nothing (``net`` was not called, or stopped at once: see ``stop_if_nonfinite``),
-    which leaves the epoch to the next iteration, as a ``-1`` epoch's one item does."""
+def _calls_of_pass(sink: Sink) -> Iterator[None]:
+    """The items of a ``sink_size="auto"`` or ``-1`` epoch: one per call, until a call ends the
+    pass -- or moves nothing (``net`` was not called, or stopped at once: see
+    ``stop_if_nonfinite``), which leaves the epoch to the next iteration."""
     epoch = sink.epoch
     while sink.epoch == epoch:
         before = sink.step
