@@ -181,7 +181,7 @@ class Sink:
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
         if executor.progress:  # the steps no device report covered
-            executor.progress.call_ended(outs)
+            executor.progress.call_ended(outs, stopped)
         return (returned, outs) if state is not NO_STATE else outs
 
     def data_state(self) -> dict[str, Any]:

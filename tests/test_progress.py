@@ -95,6 +95,23 @@ def test_a_sink_that_stops_at_nan_reports_the_steps_outputs():
     assert reports[0] == (4, 6.0)  # step 4's loss, from the device
 
 
+def test_a_call_that_stops_at_its_first_step_still_reports_its_steps():
+    data = [*DATA[:5], {"x": np.float32(np.nan)}, *DATA[6:]]  # the second call's first batch
+    reports = []
+    with sinkax.data_sink(
+        running_sum,
+        data,
+        5,
+        strategy="loop",  # reported from the host as the call returns
+        stop_if_nonfinite="loss",
+        progress=lambda steps, out: reports.append((steps, float(out["loss"]))),
+    ) as sink:
+        total, _ = sink(np.float32(0))
+        total, outs = sink(total)
+    assert len(outs["loss"]) == 0 and sink.nonfinite.step_in_call == 0
+    assert reports[0] == (5, 10.0) and reports[1][0] == 5 and np.isnan(reports[1][1])
+
+
 @pytest.mark.parametrize(
     ("sink_size", "options"),
     [(25, {"strategy": "loop"}), (25, {"strategy": "auto"}), (1, {}), (25, {"jit": False})],

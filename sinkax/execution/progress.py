@@ -82,9 +82,11 @@ class Progress:
         """A window of ``steps`` ran, ``reported`` of them reported from the device."""
         self._unreported += steps - reported
 
-    def call_ended(self, outs: Any) -> None:
-        """Report the call's steps that no device report covered, with its last output."""
+    def call_ended(self, outs: Any, stopped: Any = None) -> None:
+        """Report the call's steps that no device report covered, with its last output (or,
+        if a stop at a non-finite step kept none, with ``stopped``, that step's)."""
         steps, self._unreported = self._unreported, 0
         leaves = jax.tree.leaves(outs)  # a step may output nothing
-        if steps and (not leaves or len(leaves[0])):  # none if a stop kept no step
-            self.hook(steps, jax.tree.map(lambda o: o[-1], outs))
+        if steps:
+            kept = not leaves or len(leaves[0])
+            self.hook(steps, jax.tree.map(lambda o: o[-1], outs) if kept else stopped)
