@@ -86,7 +86,7 @@ def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any)
 
 
 def _check_bounds(sink_size: int | str, calls: Any, total_steps: Any) -> None:
-    """``calls`` bounds a sink of fixed sizes, ``total_steps`` an auto one: else a
+    """``calls`` bounds a sink of fixed sizes, ``total_steps`` an auto or ``-1`` one: else a
     ``ValueError``."""
     bounds = (
         ("calls", calls, "calls this sink will make"),
@@ -104,10 +104,11 @@ def _check_bounds(sink_size: int | str, calls: Any, total_steps: Any) -> None:
             "calls planned ahead) does not apply: give total_steps= (the steps it will run) to "
             "bound it, or a fixed sink_size."
         )
-    if sink_size != AUTO and total_steps is not None:
+    if sink_size not in (AUTO, -1) and total_steps is not None:
         raise ValueError(
-            "total_steps= bounds a sink_size='auto' sink (its last call ends there); a sink of "
-            f"fixed sizes (here {sink_size}) is bounded by calls= (the calls it will make)."
+            "total_steps= bounds a sink_size='auto' or -1 sink (its calls' sizes vary; the "
+            f"last ends there); a sink of a fixed size (here {sink_size}) is bounded by calls= "
+            "(the calls it will make)."
         )
 
 
@@ -170,7 +171,7 @@ class SinkConfig:
     save_graphs: str | None
     ragged_last: bool
     calls: int | None = None  # the calls the sink will make, when known
-    total_steps: int | None = None  # the steps a sink_size="auto" sink will run, when known
+    total_steps: int | None = None  # the steps a sink_size="auto" or -1 sink runs, when known
     stop_if_nonfinite: Watch = None  # what is checked, see sinkax.execution.guard.watcher
     progress: progress_hook.Hook | None = None  # see sinkax.execution.progress
     progress_every: int = 100

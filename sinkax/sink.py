@@ -318,11 +318,10 @@ def data_sink(
       calls: the calls this sink will make, if known (``DatasetHelper`` and ``Model`` pass
         their epochs): its producer then reads and moves to the device nothing past them, and a
         call after them raises :class:`~sinkax.errors.SinkExhaustedError`; a call that
-        ``stop_if_nonfinite`` ends early is not counted (the batches it left are still to
-        come). Default: no limit.
-      total_steps: for ``sink_size="auto"``, instead of ``calls``, the steps the sink will run,
-        if known (``DatasetHelper`` and ``Model`` pass their epochs' steps): its last call ends
-        there whatever its target, and nothing past them is read or moved.
+        ``stop_if_nonfinite`` ends before it kept a step is not counted. Default: no limit.
+      total_steps: for ``sink_size="auto"`` or ``-1``, instead of ``calls``, the steps the sink
+        will run, if known (``DatasetHelper`` and ``Model`` pass their epochs' steps): its last
+        call ends there, and nothing past them is read or moved.
       ragged_last: each epoch's last batch may have fewer rows (a dataset batched without
         ``drop_remainder``; its length must be known); needs ``sink_size=1`` and
         ``strategy="step"`` -- each batch its own executable -- as non-sink mode runs.

@@ -348,35 +348,52 @@ def test_a_second_run_of_the_same_step_compiles_nothing(backend_compiles, sink_m
 
 
 class _NaNOnce:
-    """12 batches; batch 5's image is not finite the first time it is read (a transient fault)."""
+    """12 batches a pass; the ``at``-th batch read (from 0) is not finite: a transient fault."""
 
-    def __init__(self):
-        self.data, self.reads = blobs(12), 0
+    def __init__(self, at=5):
+        self.data, self.at, self.read = blobs(12), at, 0
 
     def __len__(self):
         return 12
 
     def __iter__(self):
-        for i, batch in enumerate(self.data):
-            self.reads += i == 5
-            yield (
-                {**batch, "image": batch["image"] * np.nan} if i == 5 and self.reads == 1 else batch
-            )
+        for batch in self.data:
+            self.read += 1
+            bad = self.read - 1 == self.at
+            yield {**batch, "image": batch["image"] * np.nan} if bad else batch
 
 
+@pytest.mark.parametrize("at", [5, 12], ids=["mid-pass", "a-pass-start"])
 @pytest.mark.parametrize(
-    ("sink_size", "steps", "ended"),
+    ("options", "steps", "ended"),
     [
-        (-1, 36, [(1, 12), (2, 12), (3, 12)]),  # epoch 1 runs on past its stop at batch 5
-        ("auto", 36, [(1, 12), (2, 12), (3, 12)]),
-        (4, 9, [(1, 4), (3, 4)]),  # an epoch is a call: epoch 2 (batches 4-7) ends at batch 5
+        ({"sink_size": -1}, 36, [(1, 12), (2, 12), (3, 12)]),  # epochs run on past the stop
+        ({"sink_size": "auto"}, 36, [(1, 12), (2, 12), (3, 12)]),
+        ({"dataset_sink_mode": False}, 36, [(1, 12), (2, 12), (3, 12)]),
+        ({"sink_size": 4}, 9, [(1, 4), (3, 4)]),  # an epoch is a call: one of 4-7 ends at 5
     ],
+    ids=["-1", "auto", "non-sink", "4"],
 )
-def test_training_goes_on_past_a_stop_with_every_epoch_and_no_batch_lost(sink_size, steps, ended):
+def test_training_goes_on_past_a_stop_with_every_epoch_and_no_batch_lost(options, steps, ended, at):
     stop = {"sink_options": {"strategy": "scan", "stop_if_nonfinite": "loss"}}
-    epochs = _Epochs()  # no TerminateOnNaN: training goes on after the stop
-    run = new_model(**stop).train(3, _NaNOnce(), epochs, sink_size=sink_size)
-    assert run.step == steps and epochs.ended == ended  # batch 5, read again, was finite
+    epochs, data = _Epochs(), _NaNOnce(at)  # no TerminateOnNaN: training goes on after the stop
+    run = new_model(**stop).train(3, data, epochs, **options)
+    if at == 12 and options.get("sink_size") == 4:  # the stop keeps nothing: that call again
+        steps, ended = 12, [(1, 4), (2, 4), (3, 4)]
+    assert run.step == steps and epochs.ended == ended  # the batch, read again, was finite
+
+
+def test_a_checkpoint_after_a_stop_resumes_as_the_run_went_on(tmp_path):
+    stop = {"sink_options": {"strategy": "scan", "stop_if_nonfinite": "loss"}}
+    epochs = _Epochs()  # sink_size 4: epoch 2 (batches 4-7) ends at 5
+    run = new_model(**stop).train(3, _NaNOnce(), epochs, sink_size=4)
+    assert run.step == 9 and epochs.ended == [(1, 4), (3, 4)]
+    saved = ModelCheckpoint(tmp_path)
+    new_model(**stop).train(3, _NaNOnce(), [saved, _SaveAndStopAt(saved, 5)], sink_size=4)
+    assert new_model().restore(tmp_path)["epoch"] == 2  # its one call ran: done
+    epochs = _Epochs()
+    run = new_model(**stop).train(3, _NaNOnce(at=None), epochs, sink_size=4, resume_from=tmp_path)
+    assert run.step == 9 and epochs.ended == [(3, 4)]
 
 
 @pytest.mark.parametrize("sink_size", [4, -1])
@@ -404,6 +421,32 @@ def test_a_helper_loop_that_retries_an_epoch_after_a_stop_runs_every_epoch(sink_
             epochs += net.nonfinite is None  # a stop at once: the loop runs the epoch again
     per_epoch = 4 if sink_size == 4 else 12
     assert seen == [i % 12 for i in range(3 * per_epoch)]
+
+
+def test_a_helper_epoch_a_stop_cut_short_reads_nothing_past_the_last_epoch():
+    class NaNOnceAt5:  # 12 batches, batch 5 not finite the first time; every read recorded
+        def __init__(self):
+            self.read = []
+
+        def __len__(self):
+            return 12
+
+        def __iter__(self):
+            for i in range(12):
+                self.read.append(i)
+                yield np.float32(np.nan if i == 5 and self.read.count(5) == 1 else i)
+
+    step = lambda total, x: (total + x, {"loss": x})  # noqa: E731
+    data, seen = NaNOnceAt5(), []
+    options = {"epoch_num": 3, "stop_if_nonfinite": "loss", "prefetch": 8}
+    with DatasetHelper(data, sink_size=4, **options) as helper:
+        net, state = connect_network_with_dataset(step, helper), np.float32(0)
+        for _ in range(3):  # epochs go on past the stop: epoch 2 (batches 4-7) ends at 5
+            for _ in helper:
+                state, outs = net(state)
+                seen.append(np.asarray(outs["loss"]).astype(int).tolist())
+    assert seen == [[0, 1, 2, 3], [4], [5, 6, 7, 8]]
+    assert data.read[data.read.index(5, 6) :] == [5, 6, 7, 8]  # the replay reads up to batch 8
 
 
 def test_helper_misuse_is_explained():

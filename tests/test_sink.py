@@ -1,6 +1,7 @@
 """Semantics of ``data_sink``: results, data order, errors and lifetime."""
 
 import collections
+import collections.abc
 import contextlib
 import functools
 import gc
@@ -269,7 +270,12 @@ def test_a_one_shot_iterator_is_never_rewound_past_what_it_yielded():
         with pytest.raises(ValueError, match=r"one-shot iterator.*cannot go back.*step 2"):
             sink.restore_data_state(saved)  # (it read on from where the producer was)
         assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == [2, 3]
-    for one_shot in (iter(range(4)), (np.float32(i) for i in range(4))):  # a stop rewinds
+
+    class Counter(collections.abc.Iterator):  # __iter__ is the ABC's: `return self`
+        def __next__(self):
+            return np.float32(0)
+
+    for one_shot in (iter(range(4)), (np.float32(i) for i in range(4)), Counter()):  # a stop
         with pytest.raises(ValueError, match=r"stop_if_nonfinite.*one-shot iterator"):
             sinkax.data_sink(lambda s, b: (s + b, s), one_shot, 2, stop_if_nonfinite=True)
 
@@ -494,6 +500,25 @@ def test_close_during_a_restore_in_another_thread_leaves_no_producer():
     dataset.unblock.set()
     restore.join(60)
     assert not restore.is_alive() and not producers_left(before)  # none started after close
+
+
+def test_close_while_a_restore_starts_its_producer_leaves_none(monkeypatch):
+    before, sink = producer_threads(), None
+
+    class RingClosedAsItStarts(DeviceRing):  # a close() from another thread lands meanwhile
+        def __init__(self, *args, **kwargs):
+            if sink is not None and not sink._closed:
+                closing = threading.Thread(target=sink.close)
+                closing.start()
+                closing.join()
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(sinkax.channel.cursor, "DeviceRing", RingClosedAsItStarts)
+    data = [{"index": np.array([i], np.int32)} for i in range(100)]
+    sink = sinkax.data_sink(lambda s, b: (s + 1, b["index"][0]), data, 4)
+    sink(jnp.int32(0))
+    sink.restore_data_state(sink.data_state())  # stops the producer, starts a new one
+    assert sink._closed and not producers_left(before)
 
 
 def test_rewinding_waits_for_a_blocked_dataset_and_loses_nothing(batches):

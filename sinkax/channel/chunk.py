@@ -59,3 +59,13 @@ class ChannelStats:
     busy_s: float = 0.0
     slot_wait_s: float = 0.0
     max_chunks_on_device: int = 0
+
+    def counts(self) -> dict[str, Any]:
+        """The producer's side of ``Sink.stats``, by :class:`~sinkax.stats.SinkStats`' names."""
+        return {
+            "chunks_transferred": self.chunks,
+            "chunks_padded": self.padded,
+            "bytes_transferred": self.bytes,
+            "max_chunks_on_device": self.max_chunks_on_device,
+            "slot_wait_s": self.slot_wait_s,
+        }

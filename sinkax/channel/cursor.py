@@ -62,7 +62,7 @@ class Cursor:
         data_state: DataPosition | None = None,
     ):
         self._source, self._packer = source, packers.of(feed, config, source.keeps_batches)
-        self.sizer = None  # sink_size="auto"
+        self.sizer, self._total = None, config.total_steps  # sink_size="auto"; steps it runs
         if config.sink_size == AUTO:
             self.sizer = CallSizer(config.call_seconds, source.epoch_length, config.total_steps)
         sizes = self.sizer.granule if self.sizer else config.sink_size
@@ -85,7 +85,7 @@ class Cursor:
         # (what is ready once the last window dispatched has computed,), or None: none is
         self._in_flight: tuple[Any] | None = None
         self._resync = False  # data was taken and not delivered: rewind before the next call
-        self.steps = self.calls = self._stops = 0  # _stops: calls ended early (stop)
+        self.steps = self.calls = self._stops = 0  # _stops: calls a stop ended at once
         self.data_wait_s = self.busy_s = 0.0
         self._call_started = (0.0, 0.0)  # the clock and the data wait at the call's start
         self._call_steps = self._call_windows = 0  # the steps this call kept, its windows
@@ -119,18 +119,9 @@ class Cursor:
 
     def counts(self) -> dict[str, Any]:
         """The data side of ``Sink.stats``."""
-        ring = self._ring.stats
-        return {
-            "steps": self.steps,
-            "calls": self.calls,
-            "chunks_transferred": ring.chunks,
-            "chunks_padded": ring.padded,
-            "bytes_transferred": ring.bytes,
-            "max_chunks_on_device": ring.max_chunks_on_device,
-            "data_wait_s": self.data_wait_s,
-            "slot_wait_s": ring.slot_wait_s,
-            "call_sizes": tuple(self.sizer.sizes) if self.sizer else None,
-        }
+        sizes = tuple(self.sizer.sizes) if self.sizer else None
+        mine = {"steps": self.steps, "calls": self.calls, "data_wait_s": self.data_wait_s}
+        return {**mine, **self._ring.stats.counts(), "call_sizes": sizes}
 
     @property
     def position(self) -> DataPosition:
@@ -223,7 +214,7 @@ class Cursor:
         for _ in range(kept):
             next(self._source)
         self._count_call()
-        self._committed, self._stops = DataPosition.of(self._source), self._stops + 1
+        self._committed, self._stops = DataPosition.of(self._source), self._stops + (not kept)
         self._start_ring()
         self._resync = False
 
@@ -292,7 +283,9 @@ class Cursor:
             return
         with interrupt.held():  # a producer started is a producer recorded (and closed)
             left = None if self._calls is None else self._calls - self.calls + self._stops
-            steps = self.sizer.steps_left() if self.sizer else None  # "auto"'s total_steps
+            steps = (
+                self.sizer.steps_left() if self.sizer else self._total and self._total - self.steps
+            )
             self._ring = DeviceRing(
                 self._source,
                 # holds no reference to the cursor: an unclosed sink is collected
@@ -301,6 +294,8 @@ class Cursor:
                 packer=self._packer,
             )
             self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
+        if self._closed:  # meanwhile, from another thread: it closed the ring before this one
+            self._ring.close(self.timeout)
 
     def _stop_ring(self) -> bool:
         """Stop the producer; whether it ended within ``timeout`` (see :meth:`DeviceRing.close`)."""
@@ -327,8 +322,9 @@ class Cursor:
             if self.sizer:
                 self.sizer.restore(state)
         except ValueError:  # the cursor stays where it was, its producer running
-            with contextlib.suppress(Exception):
-                self._source.set_state(dict(self._committed.source))
+            if self._source.rereadable:  # (a one-shot iterator reads on as it is)
+                with contextlib.suppress(Exception):
+                    self._source.set_state(dict(self._committed.source))
             self._start_ring()
             self._resync = False
             raise

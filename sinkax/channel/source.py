@@ -169,12 +169,18 @@ def fingerprint(batch: Any) -> str:
     return digest.hexdigest()
 
 
+_ABC_MODULES = ("_collections_abc", "collections.abc", "typing")  # their __iter__: `return self`
+
+
 def _one_shot(dataset: Any, iterator: Any) -> bool:
     """Whether ``dataset`` is an iterator that cannot start a new pass: ``iter()`` of it gives
-    itself through a built-in ``__iter__`` (a generator, ``iter(a_list)``, a ``map``). A class
-    whose own ``__iter__`` returns itself may restart its pass there, and counts as none."""
-    own = inspect.getattr_static(type(dataset), "__iter__", None)
-    return iterator is dataset and not inspect.isfunction(own)
+    itself through an ``__iter__`` of Python's own (a generator, ``iter(a_list)``, a ``map``, a
+    ``collections.abc.Iterator`` that defines only ``__next__``). A class whose own ``__iter__``
+    returns itself may restart its pass there, and counts as none."""
+    if iterator is not dataset:
+        return False
+    owner = next(k for k in type(dataset).__mro__ if "__iter__" in vars(k))
+    return not inspect.isfunction(vars(owner)["__iter__"]) or owner.__module__ in _ABC_MODULES
 
 
 class IterableSource:

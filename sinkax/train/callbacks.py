@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from sinkax.config import AUTO
 from sinkax.train import checks
 
 if TYPE_CHECKING:
@@ -64,6 +65,14 @@ class RunContext:
     def steps_per_epoch(self) -> int | None:
         """Steps of a whole epoch: ``sink_size`` if positive, else the dataset's length."""
         return self.helper.steps_per_epoch
+
+    @property
+    def epoch_done(self) -> bool:
+        """Whether the epoch under way is done: its steps all ran, or, where an epoch is one
+        call (sink mode, ``sink_size > 0``), that call ran, whether a stop at a non-finite step
+        cut it short or not (the next epoch then starts at that batch)."""
+        one_call = self.helper.dataset_sink_mode and self.helper.sink_size not in (-1, AUTO)
+        return self.step_in_epoch >= self.epoch_steps or (one_call and self.step_in_epoch > 0)
 
     @property
     def sink_stats(self) -> SinkStats | None:

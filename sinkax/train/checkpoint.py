@@ -159,7 +159,7 @@ class ModelCheckpoint(Callback):
         if self._saved == run.step:  # e.g. by the user's callback, then at the epoch's end
             return
         state = jax.device_get(run.state)
-        ended = run.step_in_epoch >= run.epoch_steps
+        ended = run.epoch_done
         meta = {
             "epoch": run.epoch if ended else run.epoch - 1,  # the epochs completed
             "step_in_epoch": 0 if ended else run.step_in_epoch,

@@ -192,9 +192,10 @@ class DatasetHelper:
 
     def _bound(self) -> dict[str, int]:
         """The :func:`sinkax.data_sink` option that ends the sink with the last epoch: a call an
-        epoch (``calls``), or for ``"auto"`` the steps of the epochs (``total_steps``: the
-        rest of the pass the data position is in, and ``epoch_num - 1`` more)."""
-        if self.sink_size != AUTO:
+        epoch (``calls``), or for ``"auto"`` and ``-1`` the steps of the epochs (``total_steps``:
+        the rest of the pass the data position is in, and ``epoch_num - 1`` more; a stop at a
+        non-finite step makes a pass of more calls)."""
+        if self._sink_steps:
             return {"calls": self.epoch_num}
         start = DataPosition.from_dict(self._data_state).step if self._data_state else 0
         return {"total_steps": self.epoch_num * known_length(self.dataset) - start}  # type: ignore[operator]

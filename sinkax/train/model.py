@@ -242,15 +242,19 @@ class Model:
                 run.epoch, run.step_in_epoch, resumed_in_epoch = number, resumed_in_epoch, 0
                 run.epoch_steps = run.step_in_epoch + helper.epoch_steps  # a stop runs fewer
                 _notify(callbacks, "on_epoch_begin", run)
-                for _ in helper:
-                    self.state, run.outputs = net(self.state)
-                    steps = len(run.outputs["loss"])
-                    run.nonfinite = getattr(net, "nonfinite", None)  # a sink cut short
-                    run.state, run.step = self.state, run.step + steps
-                    run.step_in_epoch += steps
-                    _notify(callbacks, "on_step_end", run)
-                    if run.stop_requested:
-                        break
+                stalled = 0  # passes of the helper in a row that ran no step
+                while not (run.epoch_done or run.stop_requested) and stalled < 2:
+                    before = run.step  # again after a stop at a non-finite step (training on)
+                    for _ in helper:
+                        self.state, run.outputs = net(self.state)
+                        steps = len(run.outputs["loss"])
+                        run.nonfinite = getattr(net, "nonfinite", None)  # a sink cut short
+                        run.state, run.step = self.state, run.step + steps
+                        run.step_in_epoch += steps
+                        _notify(callbacks, "on_step_end", run)
+                        if run.stop_requested:
+                            break
+                    stalled = 0 if run.step > before else stalled + 1
                 if run.step_in_epoch == run.epoch_steps:
                     _notify(callbacks, "on_epoch_end", run)
                 if run.stop_requested:
