@@ -95,6 +95,30 @@ def test_a_sink_that_stops_at_nan_reports_the_steps_outputs():
     assert reports[0] == (4, 6.0)  # step 4's loss, from the device
 
 
+@pytest.mark.parametrize("strategy", ["loop", "scan"])  # a report from the host, the device
+def test_a_hook_that_raises_loses_nothing_and_the_next_call_raises_it(strategy):
+    raised = []
+
+    def hook(steps, out):
+        if not raised:
+            raised.append(steps)
+            raise KeyError("accuracy")
+
+    with sinkax.data_sink(
+        running_sum, DATA, 5, strategy=strategy, progress=hook, progress_every=5
+    ) as sink:
+        with pytest.warns(RuntimeWarning, match="progress hook raised KeyError"):
+            total, outs = sink(np.float32(0))
+            jax.effects_barrier()
+        assert float(total) == 10.0 and outs["loss"].tolist() == losses(5)  # the call completed
+        with pytest.raises(RuntimeError, match="progress hook raised KeyError") as error:
+            sink(total)
+        assert isinstance(error.value.__cause__, KeyError)
+        assert float(total) == 10.0 and sink.step == 5  # not donated, nothing read
+        total, outs = sink(total)
+    assert float(total) == 45.0 and outs["loss"].tolist() == losses(10)[5:]
+
+
 def test_a_call_that_stops_at_its_first_step_still_reports_its_steps():
     data = [*DATA[:5], {"x": np.float32(np.nan)}, *DATA[6:]]  # the second call's first batch
     reports = []

@@ -157,7 +157,10 @@ class Executor:
     # -- one call ------------------------------------------------------------------------
     def select(self, state: Any) -> tuple[Any, Static | None]:
         """Check a call's ``state`` (:data:`NO_STATE` for ``sink()``) against the step's form,
-        making the strategy at the first call: its array part and its non-array leaves."""
+        making the strategy at the first call: its array part and its non-array leaves. Raises
+        first what the progress hook raised in the last call."""
+        if self.progress:  # what its hook raised in the last call
+            self.progress.raise_error()
         if self.jit:  # compiled constants: refuse stale ones
             self.compiler.check_captures()
         stateful = state is not NO_STATE

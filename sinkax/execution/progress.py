@@ -52,7 +52,7 @@ def _report(token: int, every: int, out: Any) -> None:
     compiled programs hold no reference to it)."""
     progress = _live.get(token)
     if progress is not None:
-        progress.hook(every, out)
+        progress.tell(every, out)
 
 
 class Progress:
@@ -66,6 +66,27 @@ class Progress:
         self._token = next(_tokens)
         _live[self._token] = self
         self._unreported = 0
+        self.error: Exception | None = None  # the hook's first, raised by the next call
+
+    def tell(self, steps: int, out: Any) -> None:
+        """Call the hook. An error it raises is kept for :meth:`raise_error`: raised here, on
+        the device or once the call committed, it would lose the donated state and the call's
+        results."""
+        try:
+            self.hook(steps, out)
+        except Exception as error:  # kept, and raised by the next call
+            if self.error is None:
+                warn(f"The progress hook raised {error!r}; the next call raises it", RuntimeWarning)
+            self.error = self.error or error
+
+    def raise_error(self) -> None:
+        """Raise what the hook raised, if it did, as the next call starts (before it runs)."""
+        error, self.error = self.error, None
+        if error is not None:
+            raise RuntimeError(
+                f"The progress hook raised {type(error).__name__} during the last call: {error}. "
+                "That call completed and returned its results; fix the hook to go on."
+            ) from error
 
     def report(
         self, output: Callable[[Any], Any] = lambda out: out
@@ -89,4 +110,4 @@ class Progress:
         leaves = jax.tree.leaves(outs)  # a step may output nothing
         if steps:
             kept = not leaves or len(leaves[0])
-            self.hook(steps, jax.tree.map(lambda o: o[-1], outs) if kept else stopped)
+            self.tell(steps, jax.tree.map(lambda o: o[-1], outs) if kept else stopped)
