@@ -1003,15 +1003,16 @@ def test_a_state_of_python_numbers_compiles_once(batches, strategy, start):
         assert sink.stats.compiles == {"scan": 1, "loop": 2}[strategy]  # loop: its start too
 
 
-def test_a_step_that_changes_the_states_dtype_is_refused_by_name(batches):
+@pytest.mark.parametrize("jit", [True, False], ids=["graph", "pynative"])
+def test_a_step_that_changes_the_states_dtype_is_refused_by_name(batches, jit):
     def count(state, batch):
         return {"count": state["count"] + batch["x"].sum()}, 0
 
-    unwrapped = sinkax.data_sink(lambda s, b: (s["count"], 0), batches, 2)
+    unwrapped = sinkax.data_sink(lambda s, b: (s["count"], 0), batches, 2, jit=jit)
     with unwrapped, pytest.raises(TypeError, match=r"returns the state with structure"):
         unwrapped({"count": jnp.int32(0)})
     state = {"count": jnp.int32(0)}
-    with sinkax.data_sink(count, batches, 2) as sink:
+    with sinkax.data_sink(count, batches, 2, jit=jit) as sink:
         with pytest.raises(TypeError, match=r"leaf \['count'\] as float32\[\], but was given int"):
             sink(state)
         assert sink.step == 0 and int(state["count"]) == 0  # nothing consumed, state intact

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from sinkax.execution.compiler import Compiler
 from sinkax.execution.programs import StepFn, single_step_program
-from sinkax.execution.stepfn import check_step_result
+from sinkax.execution.stepfn import check_step_result, returned_dtypes
 
 
 class Step:
@@ -68,6 +68,7 @@ class Eager:
         for i in range(offset, offset + steps):
             result = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
             check_step_result(result, state)
+            returned_dtypes(state, result[0])  # as a compiled step would refuse it
             state, out = result
             outs.append(out)
         self.done = (state, jax.tree.map(lambda *o: jnp.stack(o), *outs))

@@ -129,7 +129,13 @@ def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[Any]:
     """
     result = jax.eval_shape(fn, state, batch)
     check_step_result(result, state)
-    out = result[0]
+    return returned_dtypes(state, result[0])
+
+
+def returned_dtypes(state: Any, out: Any) -> list[Any]:
+    """The dtype of each leaf of ``out``, a step's returned state (arrays or their shapes), if it
+    has the layout of ``state`` (see :func:`carry_dtypes`), else a ``TypeError`` naming the
+    leaf."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     out_leaves, out_treedef = jax.tree.flatten(out)
     if out_treedef != treedef:
