@@ -57,6 +57,13 @@ class BatchSpec:
                     "in the step, or keep the key in the state and split it there."
                 )
         leaves = [np.asarray(leaf) for _, leaf in flat]
+        if all(leaf.ndim and not leaf.shape[0] for leaf in leaves):
+            raise BatchSpecError(
+                f"The first batch has no rows (every leaf's leading axis is 0: "
+                f"{[leaf.shape for leaf in leaves]}): a step over it computes on nothing, and a "
+                "mean over it is NaN. Drop empty batches in the pipeline (e.g. a filter before "
+                "the batching), or batch with drop_remainder=True."
+            )
         for path, leaf in zip(paths, leaves, strict=True):
             if leaf.dtype.kind in _NOT_ON_DEVICE:
                 raise BatchSpecError(

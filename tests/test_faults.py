@@ -261,6 +261,15 @@ def test_batches_with_no_arrays_are_explained():
         sink(jnp.int32(0))
 
 
+def test_batches_with_no_rows_are_explained():
+    empty = {"image": np.zeros((0, 3), np.float32), "label": np.zeros((0,), np.int32)}
+    state = jnp.float32(0)
+    with sinkax.data_sink(lambda s, b: (s + b["image"].sum(), s), [empty] * 4, 2) as sink:
+        with pytest.raises(sinkax.BatchSpecError, match=r"first batch has no rows.*drop_remainder"):
+            sink(state)
+        assert float(state) == 0 and sink.step == 0
+
+
 @pytest.mark.parametrize("bad", [float("inf"), None, "1MB", 0.5, True])
 def test_max_chunk_bytes_that_is_no_byte_count_is_refused(bad):
     with pytest.raises(ValueError, match="max_chunk_bytes must be a number of bytes"):

@@ -206,6 +206,12 @@ def test_eval_runs_the_whole_pass_whatever_the_models_training_options(stop):
         assert np.isnan(model.eval(data, dataset_sink_mode=sink_mode)["loss"])
 
 
+def test_eval_over_padding_only_says_there_is_nothing_to_average():
+    padding = [{**batch, "mask": np.zeros(16, bool)} for batch in blobs(2)]
+    with pytest.raises(ValueError, match="evaluation pass held no examples"):
+        new_model().eval(padding)
+
+
 def test_eval_weighs_a_ragged_last_batch_by_its_size_in_non_sink_mode():
     data = blobs(3)
     ragged = [*data[:2], {"image": data[2]["image"][:4], "label": data[2]["label"][:4]}]

@@ -64,6 +64,11 @@ class Evaluator:
             variables, outs = self._net(variables)
             parts.append(outs)
         metrics, counts = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+        if not np.sum(counts):
+            raise ValueError(
+                "The evaluation pass held no examples (every batch's real rows: 0), so no metric "
+                "has a mean. Evaluate a dataset with examples (padded batches count real rows)."
+            )
         names = sorted(metrics, key=lambda name: name != "loss")  # loss first
         return {name: float(np.average(metrics[name], weights=counts)) for name in names}
 
