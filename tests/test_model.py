@@ -881,3 +881,20 @@ def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):
         new_model().train(2, blobs(2), resume_from=tmp_path / "empty")
     with pytest.raises(ValueError, match="not both"):
         new_model().train(2, blobs(2), initial_epoch=1, resume_from=tmp_path)
+    with pytest.raises(TypeError, match="checkpoint directory is a path"):
+        new_model().train(2, blobs(2), resume_from=5)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: Model(linear, init_params(), optimizer=optax.sgd), TypeError, r"optax.sgd\(0.1\)"),
+        (lambda: new_model(sink_options={"sink_size": 2}), ValueError, "may not set.*sink_size"),
+        (lambda: new_model().train(1, blobs(2), callbacks=[History]), TypeError, "not the class"),
+        (lambda: new_model().train(1, blobs(2), callbacks=[None]), TypeError, "Callback instances"),
+    ],
+    ids=["uncalled-optimizer", "sink-size-option", "callback-class", "callback-none"],
+)
+def test_model_mistakes_are_named(make, error, match):
+    with pytest.raises(error, match=match):
+        make()

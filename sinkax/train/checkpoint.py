@@ -81,6 +81,11 @@ class ModelCheckpoint(Callback):
     def __init__(
         self, directory: str | os.PathLike[str], keep_last: int = 5, save_every_epochs: int = 1
     ):
+        if not isinstance(directory, str | os.PathLike):
+            raise TypeError(
+                f"A checkpoint directory is a path (str or os.PathLike), got {directory!r:.80} "
+                "(resume_from= takes the directory a ModelCheckpoint saved into, or that object)."
+            )
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep_last = checks.count("keep_last", keep_last)
         self.save_every_epochs = checks.count("save_every_epochs", save_every_epochs)

@@ -53,6 +53,9 @@ from sinkax.train.steps import (
     split_batch,
 )
 
+# the DatasetHelper arguments Model.train and Model.eval pass themselves
+_SET_BY_TRAIN = {"sink_size", "dataset_sink_mode", "epoch_num", "data_state"}
+
 
 def _check_epochs(epoch: Any, initial_epoch: Any) -> None:
     for name, value, minimum in (("epoch", epoch, 1), ("initial_epoch", initial_epoch, 0)):
@@ -107,10 +110,21 @@ class Model:
         model_state: Any = None,
         rng: Any = None,
     ):
+        if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"optimizer must be an optax.GradientTransformation, got {optimizer!r:.80}: "
+                "build one, e.g. optax.sgd(0.1) rather than optax.sgd."
+            )
         self.apply_fn = apply_fn
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.sink_options = dict(sink_options or {})
+        taken = sorted(self.sink_options.keys() & _SET_BY_TRAIN)
+        if taken:
+            raise ValueError(
+                f"sink_options may not set {taken}: Model.train and Model.eval set them from "
+                "their own arguments (sink_size=, dataset_sink_mode=, resume_from=)."
+            )
         keys = {"input_key": input_key, "label_key": label_key}
         self._label_of: Callable[[Any], Any] = lambda batch: split_batch(batch, **keys)[1]
         if optimizer is None:
@@ -211,6 +225,12 @@ class Model:
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
         callbacks = list(callbacks or [])
+        for callback in callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(
+                    f"callbacks must be Callback instances, got {callback!r:.80}: pass "
+                    "LossMonitor(), not the class LossMonitor."
+                )
         wanted = {key: v for callback in callbacks for key, v in callback.sink_options().items()}
         helper = DatasetHelper(
             train_dataset,
