@@ -110,7 +110,9 @@ class Model:
         model_state: Any = None,
         rng: Any = None,
     ):
-        if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+        if optimizer is not None and not all(
+            callable(getattr(optimizer, name, None)) for name in ("init", "update")
+        ):  # an optax.GradientTransformation, or what has its init and update (MultiSteps)
             raise TypeError(
                 f"optimizer must be an optax.GradientTransformation, got {optimizer!r:.80}: "
                 "build one, e.g. optax.sgd(0.1) rather than optax.sgd."
