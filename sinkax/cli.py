@@ -31,14 +31,21 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # what argparse calls a value it cannot read: "invalid int value"
+    return parse
+
+
+_positive, _natural = _at_least(1), _at_least(0)
 
 
 def _sink_size(text: str) -> int | str:
@@ -69,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     train.add_argument("--epochs", type=_positive, default=15, help="epochs to train")
-    train.add_argument("--batch-size", type=int, default=32, help="training batch size")
+    train.add_argument("--batch-size", type=_positive, default=32, help="training batch size")
     train.add_argument(
         "--sink-size",
         type=_sink_size,
@@ -101,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="data parallel: split each batch over this many forced host CPU devices (per "
         "process under python -m sinkax.launch, which also splits over the processes)",
     )
-    train.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed")
+    train.add_argument("--seed", type=_natural, default=0, help="initialisation and shuffling seed")
     train.add_argument("--lr", type=float, default=0.03, help="(peak) learning rate")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     train.add_argument(

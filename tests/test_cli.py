@@ -71,7 +71,8 @@ def test_python_dash_m_and_bad_options():
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
-    for bad in (["--epochs", "0"], ["--sink-size", "many"], ["--call-seconds", "1"]):
+    bads = (["--epochs", "0"], ["--sink-size", "many"], ["--call-seconds", "1"])
+    for bad in (*bads, ["--seed", "-1"], ["--batch-size", "0"]):
         with pytest.raises(SystemExit) as exit_info:  # before anything is built
             main(["train", *bad])
         assert exit_info.value.code == 2

@@ -274,6 +274,20 @@ def test_index_batches_rejects_oversized_batch() -> None:
         index_batches(3, batch_size=4)
 
 
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"batch_size": 2.5}, "batch_size must be an int >= 1"),
+        ({"batch_size": True}, "batch_size must be an int >= 1"),
+        ({"batch_size": 2, "seed": -1}, "seed must be an int >= 0 or None"),
+        ({"batch_size": 2, "seed": 1.5}, "seed must be an int >= 0 or None"),
+    ],
+)
+def test_index_batches_names_a_bad_argument(options, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        index_batches(10, **options)
+
+
 def test_indexed_carries_indices() -> None:
     ds = indexed(12, batch_size=4, feature_shape=(2, 3))
     batch = ds[1]

@@ -25,6 +25,7 @@ machine, under the 1,350 needed (see ``benchmarks/pipeline.py``).
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,8 +60,15 @@ class _IndexBatches(grain.MapDataset):
         self, num_samples: int, batch_size: int, seed: int | None, drop_remainder: bool = True
     ) -> None:
         super().__init__()
-        if not 0 < batch_size <= num_samples:
-            raise ValueError(f"need 0 < batch_size <= num_samples, got {batch_size}, {num_samples}")
+        for name, value in (("batch_size", batch_size), ("num_samples", num_samples)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if batch_size > num_samples:
+            raise ValueError(f"batch_size {batch_size} is larger than the {num_samples} samples.")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0
+        ):
+            raise ValueError(f"seed must be an int >= 0 or None (no shuffling), got {seed!r}.")
         self._num_samples = num_samples
         self._batch_size = batch_size
         self._seed = seed
