@@ -455,6 +455,18 @@ def test_a_helper_epoch_a_stop_cut_short_reads_nothing_past_the_last_epoch():
     assert data.read[data.read.index(5, 6) :] == [5, 6, 7, 8]  # the replay reads up to batch 8
 
 
+@pytest.mark.parametrize("sink_size", ["auto", -1, 2])
+def test_a_helper_resumed_onto_a_shorter_dataset_says_so(sink_size):
+    with DatasetHelper(blobs(10), sink_size=sink_size, epoch_num=1) as helper:
+        net = connect_network_with_dataset(lambda b: b["label"], helper)
+        for _ in helper:
+            net()
+        saved = {**helper.data_state(), "step": 9, "source": {"epoch": 0, "step": 9}}
+    with pytest.raises(ValueError, match="another epoch length"):
+        helper = DatasetHelper(blobs(4), sink_size=sink_size, epoch_num=2, data_state=saved)
+        connect_network_with_dataset(lambda b: b["label"], helper)
+
+
 def test_helper_misuse_is_explained():
     step = make_train_step(linear, cross_entropy, OPTIMIZER)
     helper = DatasetHelper(blobs(2), epoch_num=1)

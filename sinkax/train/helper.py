@@ -198,7 +198,8 @@ class DatasetHelper:
         if self._sink_steps:
             return {"calls": self.epoch_num}
         start = DataPosition.from_dict(self._data_state).step if self._data_state else 0
-        return {"total_steps": self.epoch_num * known_length(self.dataset) - start}  # type: ignore[operator]
+        steps = self.epoch_num * known_length(self.dataset) - start  # type: ignore[operator]
+        return {"total_steps": max(1, steps)}  # (a start past a pass: the sink names that)
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
