@@ -112,6 +112,15 @@ def _check_bounds(sink_size: int | str, calls: Any, total_steps: Any) -> None:
         )
 
 
+def _folder(name: str, folder: Any) -> str | None:
+    """``folder`` as a path string (``None`` stays ``None``); ``TypeError`` naming ``name``."""
+    if folder is None:
+        return None
+    if not isinstance(folder, str | os.PathLike):
+        raise TypeError(f"{name} must be a folder (a path) or None, got {folder!r:.60}")
+    return os.fspath(folder)
+
+
 def sink_device(device: jax.Device | str) -> jax.Device:
     """``device``; a target or platform name (``"CPU"``, ``"cpu"``, ``"gpu"``) is its first
     device.
@@ -221,7 +230,7 @@ class SinkConfig:
             max_chunk_bytes=int(max_chunk_bytes),
             timeout=float(timeout),
             sharding=placed,
-            save_graphs=None if save_graphs is None else os.fspath(save_graphs),
+            save_graphs=_folder("save_graphs", save_graphs),
             calls=None if calls is None else int(calls),
             total_steps=None if total_steps is None else int(total_steps),
             ragged_last=bool(ragged_last),

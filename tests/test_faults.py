@@ -276,6 +276,14 @@ def test_max_chunk_bytes_that_is_no_byte_count_is_refused(bad):
         sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, max_chunk_bytes=bad)
 
 
+def test_save_graphs_and_read_options_of_another_type_are_named():
+    with pytest.raises(TypeError, match="save_graphs must be a folder"):
+        sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, save_graphs=5)
+    for options in ({"num_threads": 4}, 4):
+        with pytest.raises(TypeError, match=r"read_options must be a grain.ReadOptions"):
+            sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, read_options=options)
+
+
 def test_a_prefetch_the_ring_cannot_set_up_is_refused_naming_the_limit():
     from sinkax.config import MAX_PREFETCH, SinkConfig
 

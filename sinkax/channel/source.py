@@ -299,7 +299,13 @@ class IterableSource:
 
 
 def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> Source:
-    """The :class:`Source` reading ``dataset``; raises ``TypeError`` for what is not iterable."""
+    """The :class:`Source` reading ``dataset``; raises ``TypeError`` for what is not iterable,
+    or for ``read_options`` that are no ``grain.ReadOptions`` (they apply to a ``MapDataset``)."""
+    if read_options is not None and not isinstance(read_options, grain.ReadOptions):
+        raise TypeError(
+            f"read_options must be a grain.ReadOptions, e.g. grain.ReadOptions(num_threads=4), "
+            f"got {read_options!r:.80}."
+        )
     if isinstance(dataset, grain.MapDataset):
         return MapDatasetSource(dataset, read_options)
     if not isinstance(dataset, Iterable):
