@@ -904,8 +904,17 @@ def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):
         (lambda: new_model(sink_options={"sink_size": 2}), ValueError, "may not set.*sink_size"),
         (lambda: new_model().train(1, blobs(2), callbacks=[History]), TypeError, "not the class"),
         (lambda: new_model().train(1, blobs(2), callbacks=[None]), TypeError, "Callback instances"),
+        (lambda: new_model(metrics={"loss": lambda o, y: o.mean()}), ValueError, "are taken"),
+        (lambda: new_model(metrics=None), TypeError, "names or a"),
     ],
-    ids=["uncalled-optimizer", "sink-size-option", "callback-class", "callback-none"],
+    ids=[
+        "uncalled-optimizer",
+        "sink-size-option",
+        "callback-class",
+        "callback-none",
+        "metric-called-loss",
+        "no-metrics",
+    ],
 )
 def test_model_mistakes_are_named(make, error, match):
     with pytest.raises(error, match=match):

@@ -247,7 +247,16 @@ def resolve_metrics(metrics: Sequence[str] | Mapping[str, Metric]) -> dict[str, 
     ['accuracy']
     """
     if isinstance(metrics, Mapping):
+        reserved = sorted(metrics.keys() & {"loss", "count"})
+        if reserved:
+            raise ValueError(
+                f"Metric name(s) {reserved} are taken: the eval step reports the loss_fn's "
+                "'loss' and weighs batches by their real examples' 'count'. Name the metric "
+                "otherwise."
+            )
         return dict(metrics)
+    if metrics is None:
+        raise TypeError("metrics must be names or a {name: fn} mapping; () for none.")
     if isinstance(metrics, str):  # one name
         metrics = (metrics,)
     unknown = [name for name in metrics if name not in METRICS]
