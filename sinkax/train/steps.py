@@ -247,12 +247,10 @@ def resolve_metrics(metrics: Sequence[str] | Mapping[str, Metric]) -> dict[str, 
     ['accuracy']
     """
     if isinstance(metrics, Mapping):
-        reserved = sorted(metrics.keys() & {"loss", "count"})
-        if reserved:
+        if metrics.keys() & {"loss", "count"}:
             raise ValueError(
-                f"Metric name(s) {reserved} are taken: the eval step reports the loss_fn's "
-                "'loss' and weighs batches by their real examples' 'count'. Name the metric "
-                "otherwise."
+                "No metric may be named 'loss' or 'count': those names are taken, the eval step "
+                "reports the loss_fn's loss and weighs batches by their real examples' count."
             )
         return dict(metrics)
     if metrics is None:
