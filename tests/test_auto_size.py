@@ -2,6 +2,7 @@
 
 import contextlib
 import itertools
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +23,13 @@ from sinkax.channel.source import Position
 from sinkax.execution import compiler
 
 MID_EPOCH = Position(0, 5)
+
+
+def on_clock(monkeypatch, now):
+    """Auto sinks timed by ``now``, their compiles too: how long a compile really takes (on a
+    loaded machine) does not count, as the calls' sizes would follow it."""
+    monkeypatch.setattr(sizing, "now", now)
+    monkeypatch.setattr(compiler, "time", types.SimpleNamespace(perf_counter=now))
 
 
 def test_the_target_follows_the_rate_of_the_last_calls_from_start_to_start():
@@ -148,7 +156,7 @@ def test_a_call_holds_at_most_max_windows():
 
 def test_a_growing_call_of_small_granules_ends_at_max_windows(monkeypatch):
     clock = itertools.count(step=1e-3)  # every call "takes" a millisecond: targets x8 a call
-    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    on_clock(monkeypatch, lambda: next(clock))
     monkeypatch.setattr(sizing, "MAX_WINDOWS", 16)
     dataset = [{"x": np.int32(i)} for i in range(2000)]
     # prefetch: many chunks of one-step granules read ahead while the target grows past them
@@ -164,7 +172,7 @@ def test_a_growing_call_of_small_granules_ends_at_max_windows(monkeypatch):
 
 def test_a_failed_call_of_several_windows_keeps_the_callers_state(monkeypatch):
     clock = itertools.count(step=1e-3)  # the second call's target: 8 one-step windows
-    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    on_clock(monkeypatch, lambda: next(clock))
 
     def bad_record_5():
         for i in range(100):
@@ -217,7 +225,7 @@ def test_a_steady_auto_sink_keeps_its_call_size_and_compiles_nothing_more(monkey
     # never 10 % off); unkept, targets around 192 would straddle a granule's edge (32 x 6)
     jitter = iter(np.random.default_rng(0).uniform(0.96, 1.04, 100))
     clock = [0.0]
-    monkeypatch.setattr(sizing, "now", lambda: clock[0])
+    on_clock(monkeypatch, lambda: clock[0])
     dataset = indexed_map_dataset(4000, 2, seed=None).repeat(None)  # no epoch ends a call
     options = {"call_seconds": 0.192, "strategy": "scan"}
     with sinkax.data_sink(collect_index, dataset, "auto", **options) as sink:
@@ -258,7 +266,7 @@ def test_bad_auto_options_are_named(option, match):
 
 def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
     clock = itertools.count(step=1e-3)  # every call "takes" a millisecond: targets x8 a call
-    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    on_clock(monkeypatch, lambda: next(clock))
     dataset = indexed_map_dataset(400, 2)  # 200 batches an epoch, reshuffled each epoch
     seen = []
     with sinkax.data_sink(collect_index, dataset, "auto", call_seconds=1.0) as sink:
@@ -280,7 +288,7 @@ def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
 
 def test_total_steps_ends_the_last_call_there_and_reads_nothing_past_it(monkeypatch):
     clock = itertools.count(step=1e-3)  # every call "takes" a millisecond: targets x8 a call
-    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    on_clock(monkeypatch, lambda: next(clock))
     read = []
 
     def counted():
