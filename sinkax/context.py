@@ -52,12 +52,21 @@ def set_context(**settings: Any) -> None:
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(f"Unknown context setting(s) {unknown}; known: {sorted(known)}.")
+    if not isinstance(settings.get("enable_profiling", False), bool):
+        raise ValueError(
+            f"enable_profiling must be True or False, got {settings['enable_profiling']!r}."
+        )
     mode = settings.get("mode", GRAPH_MODE)
     if isinstance(mode, bool) or mode not in (GRAPH_MODE, PYNATIVE_MODE):
         raise ValueError(f"mode must be sinkax.GRAPH_MODE or sinkax.PYNATIVE_MODE, got {mode!r}.")
     options = settings.get("profiling_options", {})
     if isinstance(options, str):  # MindSpore passes a JSON string
-        options = settings["profiling_options"] = json.loads(options)
+        try:
+            options = settings["profiling_options"] = json.loads(options)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"profiling_options is not valid JSON ({error}): {options!r:.80}."
+            ) from None
     if not isinstance(options, dict):
         raise ValueError(
             'profiling_options must be a dict (or its JSON), e.g. {"result_path": "profiler"}; '
@@ -73,6 +82,9 @@ def set_context(**settings: Any) -> None:
 
 def get_context(key: str | None = None) -> Any:
     """One setting by name, or a copy of all of them."""
+    known = {f.name for f in dataclasses.fields(Context)}
+    if key is not None and key not in known:
+        raise ValueError(f"Unknown context setting {key!r}; known: {sorted(known)}.")
     return dataclasses.replace(_context) if key is None else getattr(_context, key)
 
 

@@ -40,6 +40,8 @@ def test_graph_and_pynative_modes_train_alike(train_options):
         ({"device_id": "0"}, "device_id must be an int"),
         ({"device_id": 0.0}, "device_id must be an int"),
         ({"profiling_options": None}, "profiling_options must be a dict"),
+        ({"profiling_options": "{bad"}, "profiling_options is not valid JSON"),
+        ({"enable_profiling": "no"}, "enable_profiling must be True or False"),
     ],
 )
 def test_bad_settings_are_value_errors_that_change_nothing(setting, match):
@@ -47,6 +49,8 @@ def test_bad_settings_are_value_errors_that_change_nothing(setting, match):
     with pytest.raises(ValueError, match=match):
         sinkax.set_context(**setting)
     assert sinkax.get_context() == before
+    with pytest.raises(ValueError, match="Unknown context setting 'save_graph'; known"):
+        sinkax.get_context("save_graph")
 
 
 def test_an_unavailable_device_target_lists_the_available_ones():
