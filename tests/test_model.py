@@ -467,6 +467,18 @@ def test_a_helper_resumed_onto_a_shorter_dataset_says_so(sink_size):
         connect_network_with_dataset(lambda b: b["label"], helper)
 
 
+@pytest.mark.parametrize(
+    "options", [{"sink_size": -1}, {"sink_size": "auto"}, {"dataset_sink_mode": False}]
+)
+def test_a_helper_of_whole_passes_needs_a_sized_dataset(options):
+    class Unsized:
+        def __iter__(self):
+            yield from blobs(3)
+
+    with pytest.raises(ValueError, match=r"runs whole passes.*known length.*Unsized has no len"):
+        DatasetHelper(Unsized(), epoch_num=2, **options)
+
+
 def test_helper_misuse_is_explained():
     step = make_train_step(linear, cross_entropy, OPTIMIZER)
     helper = DatasetHelper(blobs(2), epoch_num=1)

@@ -89,9 +89,9 @@ class DatasetHelper:
         self.dataset_sink_mode = bool(dataset_sink_mode)
         self.sink_size = check_sink_size(sink_size) if self.dataset_sink_mode else -1
         self.epoch_num = int(epoch_num)
-        passes = self.sink_size == AUTO or not self.dataset_sink_mode  # each epoch a pass
+        passes = self.sink_size in (AUTO, -1) or not self.dataset_sink_mode  # each epoch a pass
         if passes and known_length(dataset) is None:
-            mode = "sink_size='auto'" if self.sink_size == AUTO else "dataset_sink_mode=False"
+            mode = f"sink_size={self.sink_size!r}" if self.dataset_sink_mode else "non-sink mode"
             raise ValueError(
                 f"{mode} runs whole passes over the dataset, which needs a dataset of known "
                 f"length; {type(dataset).__name__} has no len(). Use a sized dataset (a grain "
