@@ -20,6 +20,7 @@ A sink is a facade over three parts: its checked :class:`~sinkax.config.SinkConf
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -47,9 +48,8 @@ def _shaping(config: SinkConfig) -> dict[str, Any]:
 
 
 _BUSY = (
-    "This sink is already running a call, from another thread (or restoring its data state). A "
-    "sink runs one at a time, as each moves its data position: give each thread its own sink, "
-    "or let them take turns (a threading.Lock around the calls)."
+    "This sink is already running a call, from another thread (or restoring its data state). "
+    "It runs one at a time: give each thread its own sink, or a threading.Lock around the calls."
 )
 
 
@@ -263,15 +263,16 @@ class Sink:
             raise SinkClosedError("This sink is closed; create a new one with sinkax.data_sink.")
 
     def close(self) -> None:
-        """Stop the producer thread and free the device chunks. Idempotent.
-
-        From another thread while a call waits for data, that call fails at once with
-        :class:`~sinkax.SinkClosedError` (its state stays valid).
-        """
+        """Stop the producer thread and free the device chunks; idempotent. Then raise what a
+        ``progress`` hook raised in the last call, if no call has (unless an error is being
+        handled: the hook's was warned of). From another thread while a call waits for data,
+        that call fails at once with :class:`~sinkax.SinkClosedError` (its state stays valid)."""
         if not self._closed:
             self._closed = True
             self._cursor.close(running=self._running)
         interrupt.release()
+        if self._executor.progress and sys.exc_info()[0] is None:  # not over an error raised
+            self._executor.progress.raise_error()
 
     def __enter__(self) -> Sink:
         return self
@@ -300,8 +301,7 @@ def data_sink(
         or for ``sink_size=1`` ``"step"`` (see :mod:`sinkax.execution.choice`). The environment
         variable ``SINKAX_STRATEGY`` (``scan`` / ``loop``) pins what ``"auto"`` runs, and so
         does a ``data_state`` that recorded one.
-      prefetch: chunks prepared ahead on the device (1 to 64); at most ``prefetch + 1`` are
-        held there.
+      prefetch: chunks prepared ahead on the device (1 to 64); at most ``prefetch + 1`` held.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds without a single new batch from the dataset before a waiting call
         raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out).
@@ -309,11 +309,10 @@ def data_sink(
         ``"GPU"``, ``"Ascend"``, ``"Emulated"``, or a platform name such as ``"cpu"``); default
         from the context.
       sharding: instead of ``device``, a ``jax.sharding.Sharding`` of one batch, e.g.
-        ``NamedSharding(mesh, P("data"))`` to split the batch axis over the mesh's devices
-        (data parallelism; the state is replicated unless already placed on those devices,
-        and then comes back sharded as it was).
-        Across ``jax.distributed`` processes each process's dataset yields its own part of
-        every global batch (see :mod:`sinkax.distributed`).
+        ``NamedSharding(mesh, P("data"))`` to split the batch axis over the mesh's devices (data
+        parallelism; the state is replicated unless already placed on those devices, and then
+        comes back sharded as it was). Across ``jax.distributed`` processes each process's
+        dataset yields its own part of every global batch (see :mod:`sinkax.distributed`).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
       calls: the calls this sink will make, if known (``DatasetHelper`` and ``Model`` pass
         their epochs): its producer then reads and moves to the device nothing past them, and a
@@ -333,7 +332,8 @@ def data_sink(
         Each call then waits for its compute to end (it reads one flag).
       progress: ``hook(steps, out)``, told of the steps done while a call runs: every
         ``progress_every`` steps (default 100) from the device where it runs host callbacks,
-        the rest when the call returns (see :mod:`sinkax.execution.progress`).
+        the rest when the call returns (see :mod:`sinkax.execution.progress`). An error it
+        raises comes from the next call, before it runs, or from :meth:`Sink.close`.
       pin_memory: build chunks in the device's pinned (page-locked) host memory, which the
         device reads by DMA, rather than in numpy memory, which a GPU runtime first copies into
         pinned memory of its own (a sink on one device; ``prefetch + 1`` chunks of memory that

@@ -713,6 +713,26 @@ def test_a_checkpoint_saved_within_an_epoch_resumes_that_epoch(
     assert_trees_equal(resumed.state, uninterrupted.state)
 
 
+def test_a_checkpoint_within_an_epoch_resumed_with_a_fixed_size_runs_that_epochs_call(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path)  # within epoch 1 of a non-sink run, at step 3
+    new_model().train(
+        2, blobs(10), [checkpoint, _SaveAndStopAt(checkpoint, 3)], dataset_sink_mode=False
+    )
+    epochs = _Epochs()
+    run = new_model().train(3, blobs(10), epochs, sink_size=4, resume_from=tmp_path)
+    assert run.step == 3 + 3 * 4 and epochs.ended == [(1, 7), (2, 4), (3, 4)]
+
+
+def test_the_progress_hooks_error_in_the_last_call_comes_when_training_ends():
+    def hook(steps, out):
+        raise ValueError("hook bug")
+
+    model = new_model(sink_options={"strategy": "loop", "progress": hook})
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match=r"ValueError.*hook bug"):
+        model.train(1, blobs(4))  # one call: no call after it to raise the error
+    assert int(model.state.step) == 4  # the run's state was kept
+
+
 def test_a_save_at_an_epochs_end_is_not_saved_again(tmp_path):
     checkpoint = ModelCheckpoint(tmp_path)
     run = new_model().train(2, blobs(4), [checkpoint, _SaveAndStopAt(checkpoint, 4)], sink_size=2)

@@ -521,6 +521,31 @@ def test_close_while_a_restore_starts_its_producer_leaves_none(monkeypatch):
     assert sink._closed and not producers_left(before)
 
 
+def test_a_one_epoch_sink_bounded_by_total_steps_runs_them_all_after_a_failed_call():
+    class Gated:  # batch 2 waits for the gate the first time
+        gate, reads = threading.Event(), 0
+
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            for i in range(4):
+                self.reads += i == 2
+                if i == 2 and self.reads == 1:
+                    self.gate.wait()
+                yield {"x": np.float32(i)}
+
+    dataset, step = Gated(), lambda total, b: (total + b["x"], b["x"])
+    options = {"total_steps": 4, "timeout": 0.3, "max_chunk_bytes": 4, "strategy": "scan"}
+    with sinkax.data_sink(step, dataset, -1, **options) as sink:
+        total = jnp.float32(0)
+        with pytest.raises(sinkax.SinkTimeoutError):  # batches 0 and 1 ran, then it waited
+            sink(total)
+        dataset.gate.set()
+        total, xs = sink(total)  # the failed call's steps are not taken off total_steps
+    assert xs.tolist() == [0, 1, 2, 3] and float(total) == 6
+
+
 def test_rewinding_waits_for_a_blocked_dataset_and_loses_nothing(batches):
     dataset = BlocksAfter(batches, 3)
     with sinkax.data_sink(train_step, dataset, 1, timeout=0.3) as sink:
@@ -1018,6 +1043,10 @@ def test_a_step_that_changes_the_states_dtype_is_refused_by_name(batches, jit):
         assert sink.step == 0 and int(state["count"]) == 0  # nothing consumed, state intact
         sink({"count": jnp.float32(0)})
         assert sink.step == 2
+    typed_as_jax_does = lambda s, b: ({"count": 0.5, "lr": np.float64(0.1)}, 0)  # noqa: E731
+    with sinkax.data_sink(typed_as_jax_does, batches, 2, jit=jit) as sink:  # weak, canonical
+        state, _ = sink({"count": jnp.float32(0), "lr": jnp.float32(0.1)})
+        assert float(state["count"]) == 0.5
 
 
 def test_a_step_function_runs_on_several_devices(tmp_path):

@@ -85,7 +85,7 @@ class Cursor:
         # (what is ready once the last window dispatched has computed,), or None: none is
         self._in_flight: tuple[Any] | None = None
         self._resync = False  # data was taken and not delivered: rewind before the next call
-        self.steps = self.calls = self._stops = 0  # _stops: calls a stop ended at once
+        self.steps = self.calls = self._stops = self._done = 0  # _done: delivered steps
         self.data_wait_s = self.busy_s = 0.0
         self._call_started = (0.0, 0.0)  # the clock and the data wait at the call's start
         self._call_steps = self._call_windows = 0  # the steps this call kept, its windows
@@ -221,7 +221,7 @@ class Cursor:
     def _count_call(self, compiling: float | None = None) -> None:
         started, waited = self._call_started
         self.busy_s += time.perf_counter() - started - (self.data_wait_s - waited)
-        self.calls += 1
+        self.calls, self._done = self.calls + 1, self._done + self._call_steps
         if self.sizer:
             self.sizer.ended(self._call_steps, compiling)
 
@@ -282,9 +282,10 @@ class Cursor:
         if self._closed:  # by another thread, while a call stopped or rewound
             return
         with interrupt.held():  # a producer started is a producer recorded (and closed)
+            # calls that a stop ended before they kept a step do not count (_stops)
             left = None if self._calls is None else self._calls - self.calls + self._stops
             steps = (
-                self.sizer.steps_left() if self.sizer else self._total and self._total - self.steps
+                self.sizer.steps_left() if self.sizer else self._total and self._total - self._done
             )
             self._ring = DeviceRing(
                 self._source,

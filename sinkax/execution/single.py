@@ -68,7 +68,7 @@ class Eager:
         for i in range(offset, offset + steps):
             result = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
             check_step_result(result, state)
-            returned_dtypes(state, result[0])  # as a compiled step would refuse it
+            returned_dtypes(state, jax.eval_shape(lambda r=result: r[0]))  # as jax types it
             state, out = result
             outs.append(out)
         self.done = (state, jax.tree.map(lambda *o: jnp.stack(o), *outs))

@@ -37,7 +37,7 @@ class RunContext:
     ``epoch`` counts from 1 as MindSpore prints it; ``step`` is the global number of steps done
     (it continues across resumed runs); ``step_in_epoch`` the steps done in this epoch, and
     ``epoch_steps`` those it holds in all (a run resumed within an epoch counts the steps run
-    before it in both): the epoch has ended once they are equal.
+    before it in both, ``epoch_from`` of them): the epoch has ended once they are equal.
     ``outputs`` holds the train step's per-step metrics of the last sink, still on the device.
     ``state`` is donated to the next sink: a callback that keeps it (the best params so far)
     keeps a copy, e.g. ``jax.device_get(run.state.params)``.
@@ -52,6 +52,7 @@ class RunContext:
     step: int
     step_in_epoch: int = 0
     epoch_steps: int = 0
+    epoch_from: int = 0
     outputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict, repr=False)
     stop_requested: bool = False
     nonfinite: NonFinite | None = None  # where the last sink stopped (stop_if_nonfinite)
@@ -72,7 +73,8 @@ class RunContext:
         call (sink mode, ``sink_size > 0``), that call ran, whether a stop at a non-finite step
         cut it short or not (the next epoch then starts at that batch)."""
         one_call = self.helper.dataset_sink_mode and self.helper.sink_size not in (-1, AUTO)
-        return self.step_in_epoch >= self.epoch_steps or (one_call and self.step_in_epoch > 0)
+        ran = self.step_in_epoch > self.epoch_from  # in this run
+        return self.step_in_epoch >= self.epoch_steps or (one_call and ran)
 
     @property
     def sink_stats(self) -> SinkStats | None:

@@ -262,6 +262,7 @@ class Model:
             self.state = state  # every check has passed: the run starts
             for number in range(initial_epoch + 1, epoch + 1):
                 run.epoch, run.step_in_epoch, resumed_in_epoch = number, resumed_in_epoch, 0
+                run.epoch_from = run.step_in_epoch
                 run.epoch_steps = run.step_in_epoch + helper.epoch_steps  # a stop runs fewer
                 _notify(callbacks, "on_epoch_begin", run)
                 stalled = 0  # passes of the helper in a row that ran no step
