@@ -20,7 +20,6 @@ A sink is a facade over three parts: its checked :class:`~sinkax.config.SinkConf
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -178,10 +177,10 @@ class Sink:
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
         if stopped is None:
             cursor.commit(piece, compiling=executor.compiler.seconds - compiled_s)
+        if executor.progress:  # the steps no device report covered (a Ctrl-C in it: held)
+            executor.progress.call_ended(outs, stopped)
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
-        if executor.progress:  # the steps no device report covered
-            executor.progress.call_ended(outs, stopped)
         return (returned, outs) if state is not NO_STATE else outs
 
     def data_state(self) -> dict[str, Any]:
@@ -263,22 +262,24 @@ class Sink:
             raise SinkClosedError("This sink is closed; create a new one with sinkax.data_sink.")
 
     def close(self) -> None:
-        """Stop the producer thread and free the device chunks; idempotent. Then raise what a
-        ``progress`` hook raised in the last call, if no call has (unless an error is being
-        handled: the hook's was warned of). From another thread while a call waits for data,
-        that call fails at once with :class:`~sinkax.SinkClosedError` (its state stays valid)."""
+        """Stop the producer thread and free the device chunks (idempotent), then raise what a
+        ``progress`` hook raised in the last call if no call has. A call waiting for data in
+        another thread fails at once with :class:`~sinkax.SinkClosedError` (its state valid)."""
+        self._shut()
+        if self._executor.progress:
+            self._executor.progress.raise_error()
+
+    def _shut(self) -> None:  # close(), leaving a progress hook's error to the next close()
         if not self._closed:
             self._closed = True
             self._cursor.close(running=self._running)
         interrupt.release()
-        if self._executor.progress and sys.exc_info()[0] is None:  # not over an error raised
-            self._executor.progress.raise_error()
 
     def __enter__(self) -> Sink:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: Any, *exc: object) -> None:  # an error on its way: that one goes on
+        self._shut() if kind else self.close()
 
 
 def data_sink(

@@ -723,14 +723,20 @@ def test_a_checkpoint_within_an_epoch_resumed_with_a_fixed_size_runs_that_epochs
     assert run.step == 3 + 3 * 4 and epochs.ended == [(1, 7), (2, 4), (3, 4)]
 
 
-def test_the_progress_hooks_error_in_the_last_call_comes_when_training_ends():
-    def hook(steps, out):
-        raise ValueError("hook bug")
+def test_the_progress_hooks_error_in_the_last_call_comes_when_training_ends(tmp_path):
+    told = []
 
-    model = new_model(sink_options={"strategy": "loop", "progress": hook})
+    def hook(steps, out):  # fails in the run's last call (each call reports once, at its end)
+        told.append(steps)
+        if len(told) == 2:
+            raise ValueError("hook bug")
+
+    model, epochs = new_model(sink_options={"strategy": "loop", "progress": hook}), _Epochs()
+    checkpoint = ModelCheckpoint(tmp_path)
     with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match=r"ValueError.*hook bug"):
-        model.train(1, blobs(4))  # one call: no call after it to raise the error
-    assert int(model.state.step) == 4  # the run's state was kept
+        model.train(2, blobs(4), [epochs, checkpoint])  # no call after the last to raise it
+    assert int(model.state.step) == 8 and epochs.ended == [(1, 4), (2, 4)]  # the run completed
+    assert checkpoint.latest_step() == 8  # and saved its end before the error came
 
 
 def test_a_save_at_an_epochs_end_is_not_saved_again(tmp_path):

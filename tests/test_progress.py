@@ -1,6 +1,7 @@
 """``progress=``: a sink reports every k-th step from inside a call, where the device can."""
 
 import functools
+import signal
 import threading
 
 import jax
@@ -117,6 +118,35 @@ def test_a_hook_that_raises_loses_nothing_and_the_next_call_raises_it(strategy):
         assert float(total) == 10.0 and sink.step == 5  # not donated, nothing read
         total, outs = sink(total)
     assert float(total) == 45.0 and outs["loss"].tolist() == losses(10)[5:]
+
+
+def test_a_hooks_error_unraised_by_a_call_comes_from_close_even_within_an_except_block():
+    def hook(steps, out):
+        raise ValueError("hook bug")
+
+    sink = sinkax.data_sink(running_sum, DATA, 5, strategy="loop", progress=hook)
+    with pytest.warns(RuntimeWarning):
+        total, _ = sink(np.float32(0))
+    try:
+        raise FileNotFoundError  # an error handled before, unrelated
+    except FileNotFoundError:
+        with pytest.raises(RuntimeError, match="hook bug"):
+            sink.close()
+    assert float(total) == 10.0
+
+
+def test_a_ctrl_c_in_the_hooks_end_of_call_report_is_held_with_the_results_returned():
+    sink = sinkax.data_sink(
+        running_sum,
+        DATA,
+        5,
+        strategy="loop",
+        progress=lambda *_: signal.raise_signal(signal.SIGINT),
+    )
+    total, outs = sink(np.float32(0))  # the call returns its results, the Ctrl-C held
+    assert float(total) == 10.0 and outs["loss"].tolist() == losses(5) and sink.step == 5
+    with pytest.raises(KeyboardInterrupt):
+        sink.close()  # where the held Ctrl-C goes on
 
 
 def test_a_call_that_stops_at_its_first_step_still_reports_its_steps():

@@ -1047,6 +1047,7 @@ def test_a_step_that_changes_the_states_dtype_is_refused_by_name(batches, jit):
     with sinkax.data_sink(typed_as_jax_does, batches, 2, jit=jit) as sink:  # weak, canonical
         state, _ = sink({"count": jnp.float32(0), "lr": jnp.float32(0.1)})
         assert float(state["count"]) == 0.5
+        assert all(isinstance(x, jax.Array) and x.dtype == jnp.float32 for x in state.values())
 
 
 def test_a_step_function_runs_on_several_devices(tmp_path):

@@ -68,8 +68,15 @@ class Eager:
         for i in range(offset, offset + steps):
             result = self._fn(state, jax.tree.map(lambda x, i=i: x[i], chunk))
             check_step_result(result, state)
-            returned_dtypes(state, jax.eval_shape(lambda r=result: r[0]))  # as jax types it
-            state, out = result
+            dtypes = returned_dtypes(state, jax.eval_shape(lambda r=result: r[0]))
+            leaves, treedef = jax.tree.flatten(result[0])  # typed as a compiled step's are:
+            state = treedef.unflatten(map(_typed, leaves, dtypes))  # (a float -> float32)
+            out = result[1]
             outs.append(out)
         self.done = (state, jax.tree.map(lambda *o: jnp.stack(o), *outs))
         return self.done
+
+
+def _typed(leaf: Any, dtype: Any) -> Any:
+    """``leaf`` as a jax array of ``dtype`` (a typed PRNG key as it is)."""
+    return leaf if isinstance(leaf, jax.Array) and leaf.dtype == dtype else jnp.asarray(leaf, dtype)

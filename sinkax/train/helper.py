@@ -156,7 +156,7 @@ class DatasetHelper:
         sink = self._connected()
         self._count_epoch()  # one whose last step ran before a Ctrl-C stopped this generator
         if self._epochs_done >= self.epoch_num:
-            self.close()  # (done already, unless a Ctrl-C came between the count and the close)
+            self._shut()  # (done already, unless a Ctrl-C came between the count and the close)
             raise SinkClosedError(
                 f"This DatasetHelper was made for epoch_num={self.epoch_num} epoch(s) and has run "
                 "them all; create it with a larger epoch_num (or a new one with "
@@ -188,7 +188,7 @@ class DatasetHelper:
         if now["epoch"] > start["epoch"] or (self._sink_steps and moved):
             self._epochs_done, self._epoch_from = self._epochs_done + 1, None  # no call between
             if self._epochs_done == self.epoch_num:
-                self.close()
+                self._shut()
 
     def _bound(self) -> dict[str, int]:
         """The :func:`sinkax.data_sink` option that ends the sink with the last epoch: a call an
@@ -210,8 +210,13 @@ class DatasetHelper:
     def __enter__(self) -> DatasetHelper:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _shut(self) -> None:
+        """:meth:`close`, leaving a ``progress`` hook's error to the next ``close()``."""
+        if self._sink is not None:
+            self._sink._shut()
+
+    def __exit__(self, kind: Any, *exc: object) -> None:  # an error on its way: that one goes on
+        self._shut() if kind else self.close()
 
 
 def _calls_of_pass(sink: Sink) -> Iterator[None]:
