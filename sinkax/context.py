@@ -44,14 +44,14 @@ class Context:
 
 
 _context = Context()
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(Context))
 
 
 def set_context(**settings: Any) -> None:
     """Change the settings named (see the module docstring); unknown names are an error."""
-    known = {f.name for f in dataclasses.fields(Context)}
-    unknown = sorted(set(settings) - known)
+    unknown = sorted(set(settings) - _SETTINGS)
     if unknown:
-        raise ValueError(f"Unknown context setting(s) {unknown}; known: {sorted(known)}.")
+        raise ValueError(f"Unknown context setting(s) {unknown}; known: {sorted(_SETTINGS)}.")
     if not isinstance(settings.get("enable_profiling", False), bool):
         raise ValueError(
             f"enable_profiling must be True or False, got {settings['enable_profiling']!r}."
@@ -82,9 +82,8 @@ def set_context(**settings: Any) -> None:
 
 def get_context(key: str | None = None) -> Any:
     """One setting by name, or a copy of all of them."""
-    known = {f.name for f in dataclasses.fields(Context)}
-    if key is not None and key not in known:
-        raise ValueError(f"Unknown context setting {key!r}; known: {sorted(known)}.")
+    if key is not None and key not in _SETTINGS:
+        raise ValueError(f"Unknown context setting {key!r}; known: {sorted(_SETTINGS)}.")
     return dataclasses.replace(_context) if key is None else getattr(_context, key)
 
 
