@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from sinkax.config import AUTO
 from sinkax.train import checks
 
 if TYPE_CHECKING:
@@ -72,9 +71,8 @@ class RunContext:
         """Whether the epoch under way is done: its steps all ran, or, where an epoch is one
         call (sink mode, ``sink_size > 0``), that call ran, whether a stop at a non-finite step
         cut it short or not (the next epoch then starts at that batch)."""
-        one_call = self.helper.dataset_sink_mode and self.helper.sink_size not in (-1, AUTO)
         ran = self.step_in_epoch > self.epoch_from  # in this run
-        return self.step_in_epoch >= self.epoch_steps or (one_call and ran)
+        return self.step_in_epoch >= self.epoch_steps or (self.helper.one_call_epochs and ran)
 
     @property
     def sink_stats(self) -> SinkStats | None:

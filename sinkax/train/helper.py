@@ -120,6 +120,12 @@ class DatasetHelper:
         return self._connected().epoch_length
 
     @property
+    def one_call_epochs(self) -> bool:
+        """Whether an epoch is one call (sink mode, ``sink_size > 0``), done once that call ran,
+        a stop at a non-finite step cutting it short or not; else an epoch is a pass."""
+        return bool(self._sink_steps)
+
+    @property
     def steps_per_epoch(self) -> int | None:
         """Steps one epoch of this helper runs: ``sink_size`` if positive, else a whole pass."""
         return self._sink_steps or self.epoch_length
