@@ -74,10 +74,10 @@ class Progress:
         results."""
         try:
             self.hook(steps, out)
-        except Exception as error:  # kept, and raised by the next call
+        except Exception as error:  # kept (the first), and raised by the next call
             if self.error is None:
                 warn(f"The progress hook raised {error!r}; the next call raises it", RuntimeWarning)
-            self.error = self.error or error
+                self.error = error
 
     def raise_error(self) -> None:
         """Raise what the hook raised, if it did, as the next call starts (before it runs)."""
