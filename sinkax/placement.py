@@ -22,12 +22,15 @@ P(None, 'data')
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+from sinkax.errors import BatchSpecError
 
 
 def resolve(
@@ -74,6 +77,42 @@ def stacked(sharding: Sharding) -> Sharding:
     if isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
     return sharding
+
+
+def check_splits(sharding: Sharding, paths: tuple[str, ...], shapes: Any) -> None:
+    """``BatchSpecError`` naming the leaf if a batch of leaves ``paths`` of ``shapes`` (this
+    process's part of it) cannot be placed as the batch sharding ``sharding``: an axis it
+    splits must exist and divide evenly over this process's devices along it."""
+    if not isinstance(sharding, NamedSharding):
+        return
+    mine = np.vectorize(lambda d: d.process_index == jax.process_index())(sharding.mesh.devices)
+
+    def held(name: str) -> int:  # positions along the mesh axis `name` this process holds
+        k = sharding.mesh.axis_names.index(name)
+        return int(np.any(mine, axis=tuple(i for i in range(mine.ndim) if i != k)).sum())
+
+    def parts(entry: Any) -> int:
+        return math.prod(held(name) for name in ((entry,) if isinstance(entry, str) else entry))
+
+    split = [(axis, parts(e)) for axis, e in enumerate(sharding.spec) if isinstance(e, str | tuple)]
+    for path, shape in zip(paths, shapes, strict=True):
+        for axis, n in split:
+            if axis >= len(shape):
+                raise BatchSpecError(
+                    f"Batch leaf {path} has shape {tuple(shape)}, but the sharding "
+                    f"{sharding.spec} splits its axis {axis} over {n} devices. Give every batch "
+                    "leaf the batch axis (a per-example value of shape (batch,), not a scalar), "
+                    "and keep values shared by the whole batch out of it (in the state, or in "
+                    "the step function)."
+                )
+            if shape[axis] % n:
+                raise BatchSpecError(
+                    f"Batch leaf {path} has shape {tuple(shape)}, whose axis {axis} the sharding "
+                    f"{sharding.spec} splits over {n} devices: {shape[axis]} does not divide "
+                    f"by {n}. Make the batch size (per process) a multiple of {n}, e.g. "
+                    f"batch({max(n, shape[axis] // n * n)}, drop_remainder=True), or shard over "
+                    "fewer devices."
+                )
 
 
 def replicated(sharding: Sharding) -> Sharding:

@@ -350,3 +350,55 @@ def test_a_two_process_checkpoint_resumes_on_one_process(job, tmp_path, devices)
     assert resumed["steps"] == 12
     assert resumed["max_error"] < 1e-5  # = 12 plain single-device steps on the global batches
     assert (resumed["saved_positions"]["epoch"], resumed["saved_positions"]["step"]) == (2, 0)
+
+
+SPLITS = """
+import json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+import sinkax
+from jax.sharding import NamedSharding, PartitionSpec as P
+if "SINKAX_PROCESS_ID" in os.environ:
+    sinkax.distributed.initialize()
+mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+sharding = NamedSharding(mesh, P("data"))
+result = {}
+for rows in (3, 4, None):  # None: a scalar leaf
+    x = np.ones((rows, 2) if rows else (), np.float32)
+    state = jnp.float32(0)
+    step = lambda s, b: (s + jnp.sum(b["x"]), jnp.sum(b["x"]))
+    with sinkax.data_sink(step, [{"x": x}] * 4, 2, sharding=sharding) as sink:
+        try:
+            state, _ = sink(state)
+            result[str(rows)] = float(state)
+        except sinkax.BatchSpecError as error:
+            result[str(rows)] = [str(error), not state.is_deleted()]
+with open(os.path.join(sys.argv[1], f"{jax.process_index()}.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.parametrize("processes, devices", [(1, 2), (2, 1)])
+def test_batches_the_sharding_cannot_split_fail_by_name_and_keep_the_state(
+    tmp_path, processes, devices
+):
+    # each process puts its own rows on its own devices: 3 rows split over 2 devices of one
+    # process fail (a scalar leaf always does), over 1 device in each of 2 processes they fit
+    command = [sys.executable, "-c", SPLITS, str(tmp_path)]
+    if processes > 1:
+        command = [sys.executable, "-m", "sinkax.launch", "-n", "2", "--devices", "1", "--"]
+        command += [sys.executable, "-c", SPLITS, str(tmp_path)]
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for i in range(processes):
+        result = json.loads((tmp_path / f"{i}.json").read_text())
+        assert result["4"] == 2 * 4 * 2 * processes  # 2 steps of the global batch's ones
+        message, alive = result["None"]
+        assert "Batch leaf ['x'] has shape ()" in message and "not a scalar" in message, message
+        assert alive
+        if devices == 2:
+            message, alive = result["3"]
+            assert "shape (3, 2)" in message and "3 does not divide by 2" in message, message
+            assert "multiple of 2" in message and alive
+        else:
+            assert result["3"] == 2 * 3 * 2 * processes

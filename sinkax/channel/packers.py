@@ -132,6 +132,10 @@ class Packer(Protocol):
     staged: bool  # chunks are built in a slot's staging, its memory: free it once computed on
     ragged_last: bool  # an epoch's last batch may have fewer rows (see spec.check)
 
+    def check(self, spec: BatchSpec) -> None:
+        """``BatchSpecError`` if batches of ``spec`` cannot be placed as the packer places them
+        (see :func:`sinkax.placement.check_splits`)."""
+
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         """A slot's staging buffers for ``steps`` batches of ``spec`` (if :attr:`staged`)."""
 
@@ -147,8 +151,8 @@ class Packer(Protocol):
 
 
 class Stacked:
-    """Batches stacked on a leading axis in reusable aligned staging, put on the device(s)
-    placed by ``sharding`` (of a chunk)."""
+    """Batches stacked on a leading axis in reusable aligned staging, put on the device(s),
+    each batch placed by ``sharding`` (see :func:`sinkax.placement.stacked`)."""
 
     staged = True
     ragged_last = False  # a stacked chunk has one shape
@@ -159,11 +163,15 @@ class Stacked:
         staging: jax.sharding.Sharding | None = None,
         copiers: int = 0,
     ):
-        self._sharding, self._staging = sharding, staging
+        self._batch_sharding, self._staging = sharding, staging
+        sharding = self._sharding = placement.stacked(sharding)
         self._pad = jax.jit(padded, static_argnums=1, out_shardings=sharding)
         self._copiers = copiers
         self._pool = copy_pool(copiers, os.getpid()) if copiers else None
         self._share = COPY_GROUP  # batches each copier gets at once (see allocate)
+
+    def check(self, spec: BatchSpec) -> None:
+        placement.check_splits(self._batch_sharding, spec.paths, spec.shapes)
 
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         # (here, not per batch: the spec's bytes are summed leaf by leaf)
@@ -283,6 +291,9 @@ class Unstacked:
     def __init__(self, ragged_last: bool = False):
         self.ragged_last = ragged_last
 
+    def check(self, spec: BatchSpec) -> None:
+        """Nothing to check: its batches go to one device (the ``"step"`` strategy)."""
+
     def allocate(self, spec: BatchSpec, steps: int) -> list[np.ndarray]:
         return []
 
@@ -310,5 +321,5 @@ def of(feed: str, config: SinkConfig, keeps_batches: bool = False) -> Packer:
     if feed == "stacked":
         off_host = not backend_of(config.sharding).host_is_device
         copiers = spare_copiers() if keeps_batches and off_host else 0
-        return Stacked(placement.stacked(config.sharding), config.staging, copiers)
+        return Stacked(config.sharding, config.staging, copiers)
     return Unstacked(config.ragged_last)

@@ -110,7 +110,9 @@ class DeviceRing:
         try:
             start = self._source.position
             first = self._read()
-            self.spec = BatchSpec.of(first)
+            spec = BatchSpec.of(first)
+            self.packer.check(spec)  # that it splits over the devices as the sharding asks
+            self.spec = spec
             self._spec_known = True
             self._spec_pending.release()
             pending = [_Row(check(self.spec, first, start))]  # checked here, at its position
