@@ -28,6 +28,8 @@ def seen(outs) -> list[int]:
         ("epoch", 1.0, r"an int >= 0"),
         ("epoch_length", 0, r"an int >= 1"),
         ("source", [0, 1], r"a dict"),
+        ("source", None, r"a dict"),
+        ("epoch", None, r"an int >= 0"),
         ("strategy", "fast", r"one of \('scan', 'loop'\)"),
         ("call_steps", 0, r"an int >= 1"),
         ("call_steps", 2.5, r"an int >= 1"),

@@ -113,7 +113,7 @@ class DataPosition:
             raise ValueError(
                 f"data_state has unknown key(s) {unknown}; a Sink.data_state() has {_FIELDS}."
             )
-        values = {key: data[key] for key in _FIELDS if data.get(key) is not None}
+        values = {k: data[k] for k in _FIELDS if k in _REQUIRED or data.get(k) is not None}
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
