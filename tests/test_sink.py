@@ -398,6 +398,15 @@ def test_a_leaf_no_device_array_can_hold_names_the_leaf_and_the_fix(batches, sin
         sink(init_state())
 
 
+@pytest.mark.parametrize(
+    "dataset, items", [({"x": np.ones((4, 2))}, "keys"), ("abcd", "characters")]
+)
+def test_a_dict_or_string_as_the_dataset_is_refused_with_how_to_give_batches(dataset, items):
+    # they iterate as keys or characters: no batch of arrays among them
+    with pytest.raises(TypeError, match=rf"yields its {items}\. Give a sequence of batches"):
+        sinkax.data_sink(train_step, dataset, 2)
+
+
 def test_a_dataset_error_reaches_the_caller_with_its_traceback(batches):
     class Broken:
         def __iter__(self):

@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import inspect
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import grain
@@ -312,5 +312,13 @@ def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> So
         raise TypeError(
             f"dataset must be a grain MapDataset/IterDataset/DataLoader or a re-iterable of "
             f"pytrees of arrays, got {type(dataset).__name__}."
+        )
+    if isinstance(dataset, Mapping | str | bytes):
+        items = "keys" if isinstance(dataset, Mapping) else "characters"
+        raise TypeError(
+            f"dataset must yield batches, but a {type(dataset).__name__} yields its {items}. "
+            "Give a sequence of batches (e.g. [{'x': x[i : i + 32]} for i in range(0, len(x), "
+            "32)]) or a grain pipeline (e.g. grain.MapDataset.source(examples).batch(32, "
+            "drop_remainder=True))."
         )
     return IterableSource(dataset)
