@@ -150,11 +150,17 @@ def test_a_stateless_sink_stops_too():
 
 @pytest.mark.parametrize(
     ("watch", "error", "match"),
-    [(3, TypeError, "stop_if_nonfinite must be True"), ("lost", KeyError, "'index', 'loss'")],
+    [
+        (3, TypeError, "stop_if_nonfinite must be True"),
+        ("lost", KeyError, "its entries: \\['index', 'loss'\\]"),
+        ("loss", KeyError, "but the output is one array. Name an entry of a dict output"),
+    ],
 )
 def test_a_bad_watch_names_the_forms_or_the_entries(watch, error, match):
     dataset = indexed_map_dataset(8, 2)
     step = functools.partial(poisoned_at(-1))
+    if match.startswith("but"):  # a step whose output is one array, not a dict
+        step = lambda state, batch: (state, batch["x"][0, 0])  # noqa: E731
     with (
         pytest.raises(error, match=match),
         sinkax.data_sink(step, dataset, 2, stop_if_nonfinite=watch) as sink,

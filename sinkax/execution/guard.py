@@ -28,7 +28,7 @@ compiles the plain step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -66,11 +66,14 @@ def entry_of(name: str) -> Callable[[Any], Any]:
         try:
             return out[name]
         except (KeyError, TypeError, IndexError):
-            keys = sorted(out) if isinstance(out, dict) else type(out).__name__
+            if isinstance(out, Mapping):
+                has = f"which has none such (its entries: {sorted(map(str, out))})"
+            else:
+                leaf = jax.tree_util.treedef_is_leaf(jax.tree.structure(out))
+                has = f"but the output is {'one array' if leaf else type(out).__name__}"
             raise KeyError(
-                f"stop_if_nonfinite={name!r} names an entry of the step's output, which has "
-                f"none such (it has {keys}). Name one of them, or pass True to check every "
-                "floating leaf."
+                f"stop_if_nonfinite={name!r} names an entry of the step's output, {has}. Name "
+                "an entry of a dict output, or pass True to check every floating leaf."
             ) from None
 
     return entry
