@@ -51,6 +51,22 @@ def test_a_bad_field_is_refused_by_name_with_what_it_may_be(field, value, allowe
         assert seen(sink(jnp.int32(0))[1]) == [2, 3]
 
 
+@pytest.mark.parametrize("dataset", [SIX, indexed_map_dataset(12, 2, seed=None)])
+def test_a_position_its_source_state_disagrees_with_is_refused_as_edited(dataset):
+    with sinkax.data_sink(collect_index, dataset, 2) as reference:
+        reference(jnp.int32(0))
+        expected = seen(reference(jnp.int32(0))[1])  # the second call's batches
+    with sinkax.data_sink(collect_index, dataset, 2) as sink:
+        sink(jnp.int32(0))
+        saved = sink.data_state()
+        edited = {**saved, "step": 4}  # the source's own state still says step 2
+        match = r"is at epoch 0, step 4, but its 'source' is at epoch 0, step 2: it was edited"
+        with pytest.raises(ValueError, match=match):
+            sink.restore_data_state(edited)
+        assert sink.data_state() == saved
+        assert seen(sink(jnp.int32(0))[1]) == expected
+
+
 def test_missing_and_unknown_keys_are_named():
     with pytest.raises(ValueError, match=r"a dict with 'epoch', 'step' and 'source'"):
         DataPosition.from_dict({"epoch": 0, "step": 0})

@@ -187,7 +187,15 @@ def move_to(source: Source, data: DataPosition) -> None:
             "what Sink.data_state() returned for a sink over the same dataset."
         ) from error
     length = source.epoch_length
-    if source.position != data.position or (length is not None and data.step >= length):
+    too_far = length is not None and data.step >= length
+    if source.position != data.position or too_far:
         index = data.source.get("next_index")  # a grain state implies its length
         implied = (index - data.step) // data.epoch if data.epoch and index else None
+        here = source.position  # in the same epoch, elsewhere: not a matter of length
+        if not (implied or too_far) and here.epoch == data.epoch:
+            raise ValueError(
+                f"This data_state is at {data.position}, but its 'source' is at {here}: it "
+                "was edited, or mixed from two saves. Give what Sink.data_state() returned, "
+                "unchanged."
+            )
         raise _length_error(data, f"{implied or 'unknown'} batches per epoch", length)
