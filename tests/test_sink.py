@@ -959,6 +959,25 @@ def test_auto_keeps_scan_unless_loop_beats_its_best_trial(
     assert trials_run == 3 - len(auto._pending)
 
 
+def test_auto_times_its_candidates_without_their_compiles(monkeypatch):
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 10)  # a window of 10 steps a trial
+    clock = types.SimpleNamespace(now=0.0)
+    compiler = sinkax.execution.compiler.Compiler(None, "fake")
+
+    class Compiling(_Timed):  # its first window compiles for 100 s on the clock first
+        def run(self, state, chunk, offset, steps):
+            if not getattr(self, "compiled", False):
+                self.compiled, clock.now, compiler.seconds = True, clock.now + 100, 100
+            return super().run(state, chunk, offset, steps)
+
+    scan = _Timed("scan", [2, 2, 1], clock)
+    loop = Compiling("loop", [1, 1], clock)  # compiled in its one trial: still faster
+    auto = sinkax.execution.auto.Auto([scan, loop], compiler, clock=lambda: clock.now)
+    while auto.chosen is None:
+        auto.run(None, jnp.zeros(10), 0, 10)
+    assert auto.timings == {"scan": 2, "loop": 1} and auto.chosen.name == "loop"
+
+
 def test_auto_runs_one_step_calls_on_the_batches_as_given_on_cpu(batches):
     expected = one_step_strategy()  # "step" on CPU; "scan" where the device is not the host
     with sinkax.data_sink(functools.partial(train_step), batches, 1) as sink:

@@ -30,7 +30,8 @@ class Auto:
     """Measures its candidates on whole windows, in the order A, B, A, then keeps the fastest.
 
     A trial is one or more consecutive windows of one candidate, timed from the end of the last
-    window's compute to the end of its own, until it spans :data:`TRIAL_S` seconds.
+    window's compute to the end of its own, less what compiling them took, until it spans
+    :data:`TRIAL_S` seconds.
     ``candidates[0]`` is kept unless another is faster than its best trial by
     :data:`PREFER_MARGIN` and by more than its trials differ (:meth:`_fastest`). The decision is
     kept beside the executables (per step function, state and batch layout, device) and reused by
@@ -43,7 +44,7 @@ class Auto:
         compiler: Compiler,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        self._candidates = candidates
+        self._candidates, self._compiler = candidates, compiler
         self._first, *self._others = candidates
         self._decisions: dict[Any, str] = compiler.memo("auto decisions", dict)
         self._clock = clock
@@ -101,9 +102,10 @@ class Auto:
         enough."""
         candidate = self._ran = self._pending[0]
         jax.block_until_ready(state)
-        t0 = self._clock()
+        t0, compiled = self._clock(), self._compiler.seconds
         result = jax.block_until_ready(candidate.run(state, chunk, offset, steps))
-        self._trial_s += self._clock() - t0
+        # a candidate compiles in its first window: not part of its speed
+        self._trial_s += self._clock() - t0 - (self._compiler.seconds - compiled)
         self._trial_steps += steps
         if self._trial_s >= TRIAL_S:
             per_step = self._trial_s / self._trial_steps
