@@ -5,9 +5,11 @@
   endlessly (``repeat``), and grain draws each epoch's permutation from the seed and the epoch
   number -- so a sink resumed from a ``data_state`` sees the very same orders;
 * plain numpy: a re-iterable whose ``__iter__`` (one pass, one epoch) draws the next
-  permutation from one seeded ``np.random.Generator``. A sink iterates it once per epoch. (A
-  resumed sink replays the interrupted epoch from its start, which draws a new permutation
-  here; give the pass a ``get_state``/``set_state``, or use grain, where resuming must be exact.)
+  permutation from one seeded ``np.random.Generator``. A sink iterates it once per epoch. It
+  does not resume exactly: a resumed run's new generator starts over from the seed, so its
+  next epoch repeats the first epoch's order, and a resume mid-epoch is refused (its replay
+  draws another order). Give the pass a ``get_state``/``set_state``, or use grain, where
+  resuming must be exact.
 
 Each step returns the sample ids it saw, so the script prints each epoch's order:
 

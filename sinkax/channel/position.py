@@ -28,7 +28,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from sinkax.channel.source import Position, Source
+from sinkax.channel.source import Position, ReplayDiffersError, Source
 
 RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
 
@@ -181,6 +181,8 @@ def move_to(source: Source, data: DataPosition) -> None:
         return
     try:
         source.set_state(dict(data.source))
+    except ReplayDiffersError:  # says what is wrong and what to do itself
+        raise
     except Exception as error:
         raise ValueError(
             f"This data_state does not fit the dataset ({type(error).__name__}: {error}). Give "

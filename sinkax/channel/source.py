@@ -284,7 +284,7 @@ class IterableSource:
                 next(self)
             saved_fingerprint = state.get("fingerprint")
             if saved_fingerprint and saved_fingerprint != self._prefix_fingerprint():
-                raise ValueError(
+                raise ReplayDiffersError(
                     f"Resuming replayed the first {step} batches of epoch {epoch}, but they "
                     "differ from those the saved run read: the dataset reshuffles without a "
                     "seed (or changed), so the resumed run would repeat some examples and skip "
@@ -296,6 +296,10 @@ class IterableSource:
 
     def close(self) -> None:
         getattr(self._iterator, "close", lambda: None)()
+
+
+class ReplayDiffersError(ValueError):
+    """A resume replayed an epoch's first batches, and they differ from the saved run's."""
 
 
 def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> Source:
