@@ -14,6 +14,8 @@ ValueError: sink_size must be a positive int (steps per call, ...), got 0.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 import numbers
 import os
@@ -258,3 +260,24 @@ class SinkConfig:
         if self.sink_size == AUTO:
             return None
         return self.sink_size if self.sink_size > 0 else epoch_length  # type: ignore[operator]
+
+
+def known_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of :func:`sinkax.data_sink`, once each is known to be one (``TypeError``
+    naming the first that is not, and the closest that is).
+
+    >>> known_options({"prefech": 2})
+    Traceback (most recent call last):
+    TypeError: data_sink has no option 'prefech' (did you mean 'prefetch'?). Its options: ...
+    """
+    names = {*inspect.signature(SinkConfig.of).parameters, "read_options", "data_state"}
+    names.discard("sink_size")
+    unknown = sorted(map(str, options.keys() - names))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(
+            f"data_sink has no option {unknown[0]!r}{hint}. Its options: "
+            f"{', '.join(sorted(names))}."
+        )
+    return options

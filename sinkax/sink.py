@@ -9,13 +9,6 @@ exactly where the last one stopped; one call may cross epoch boundaries.
 A sink is a facade over three parts: its checked :class:`~sinkax.config.SinkConfig`, a
 :class:`~sinkax.channel.cursor.Cursor` (the data position and the ring that reads ahead) and an
 :class:`~sinkax.execution.executor.Executor` (strategy, compiled programs, placement).
-
->>> import numpy as np, sinkax
->>> data = [{"x": np.float32(i)} for i in range(4)]
->>> with sinkax.data_sink(lambda s, b: (s + b["x"], s), data, sink_size=3) as sink:
-...     total, seen = sink(np.float32(0))
-...     print(float(total), seen.tolist(), sink.epoch, sink.step)
-3.0 [0.0, 0.0, 1.0] 0 3
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from sinkax.channel.cursor import Cursor
 from sinkax.channel.plan import chunk_steps
 from sinkax.channel.position import DataPosition
 from sinkax.channel.source import as_source
-from sinkax.config import SinkConfig
+from sinkax.config import SinkConfig, known_options
 from sinkax.errors import SinkClosedError
 from sinkax.execution import guard
 from sinkax.execution.executor import NO_STATE, Executor
@@ -346,5 +339,12 @@ def data_sink(
 
     Returns:
       a :class:`Sink`; close it (or use ``with``) to stop its producer thread.
+
+    >>> import numpy as np; data = [{"x": np.float32(i)} for i in range(3)]
+    >>> with data_sink(lambda n, b: (n + 1, b["x"] * 2), data, sink_size=2) as sink:
+    ...     n, outs = sink(0)
+    ...     n, more = sink(n)  # continues at the 3rd batch, then the next epoch's 1st
+    >>> int(n), outs.tolist(), more.tolist(), sink.data_state()["epoch"]
+    (4, [0.0, 2.0], [4.0, 0.0], 1)
     """
-    return Sink(fn, dataset, sink_size, **context.sink_options(options))
+    return Sink(fn, dataset, sink_size, **context.sink_options(known_options(options)))

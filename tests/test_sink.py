@@ -407,6 +407,13 @@ def test_a_dict_or_string_as_the_dataset_is_refused_with_how_to_give_batches(dat
         sinkax.data_sink(train_step, dataset, 2)
 
 
+def test_a_misspelled_option_is_named_with_the_closest_one(batches):
+    with pytest.raises(TypeError, match=r"no option 'prefech' \(did you mean 'prefetch'\?\)"):
+        sinkax.data_sink(train_step, batches, 2, prefech=2)
+    with pytest.raises(TypeError, match=r"no option 'enable_profiling'\. Its options: .*timeout"):
+        sinkax.data_sink(train_step, batches, 2, enable_profiling=True)
+
+
 def test_a_dataset_error_reaches_the_caller_with_its_traceback(batches):
     class Broken:
         def __iter__(self):
