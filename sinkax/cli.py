@@ -65,6 +65,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless it is ``None``: the help of such an option says what
+    happens without it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sinkax`` argument parser."""
     parser = argparse.ArgumentParser(prog="sinkax", description=__doc__.split("\n\n")[0])
@@ -73,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train LeNet5 on MNIST (MindSpore's reference example)",
         description="Train LeNet5 on MNIST with sinkax.Model (MindSpore's reference example).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Defaults,
     )
     train.add_argument("--epochs", type=_positive, default=15, help="epochs to train")
     train.add_argument("--batch-size", type=_positive, default=32, help="training batch size")

@@ -130,3 +130,13 @@ def test_train_splits_batches_over_forced_devices():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "on 2 devices in 1 process(es), batch split" in result.stdout
     assert re.search(r"^epoch: 1 step: 5, loss is [0-9.]+$", result.stdout, re.M)
+
+
+def test_help_gives_each_default_once():
+    from sinkax.cli import build_parser
+
+    (train,) = build_parser()._subparsers._group_actions[0].choices.values()
+    text = " ".join(train.format_help().split())
+    assert "(default: None)" not in text  # an option without one says what happens instead
+    assert "(default: 15)" in text  # --epochs
+    assert "should last (default 1) --no-sink" in text  # its own words, not twice
