@@ -389,6 +389,33 @@ def test_training_goes_on_past_a_stop_with_every_epoch_and_no_batch_lost(options
     assert run.step == steps and epochs.ended == ended  # the batch, read again, was finite
 
 
+class _NaNAlways(_NaNOnce):
+    """The 6th batch of every pass is not finite: training cannot go past it."""
+
+    def __iter__(self):
+        for i, batch in enumerate(self.data):
+            yield {**batch, "image": batch["image"] * np.nan} if i == 5 else batch
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sink_size": -1},
+        {"sink_size": "auto"},
+        {"dataset_sink_mode": False},
+        {"sink_size": 4},  # an epoch is a call: the retry is the next epoch's first call
+    ],
+    ids=["-1", "auto", "non-sink", "4"],
+)
+def test_a_batch_not_finite_on_its_retry_ends_training_naming_it(options):
+    stop = {"sink_options": {"strategy": "scan", "stop_if_nonfinite": "loss"}}
+    epochs, model = _Epochs(), new_model(**stop)
+    with pytest.raises(FloatingPointError, match=r"data epoch 0, step 5 was not finite, and again"):
+        model.train(3, _NaNAlways(), epochs, **options)
+    assert int(model.state.step) == 5  # the 5 steps before it, the params from before it
+    assert epochs.ended == ([(1, 4)] if options.get("sink_size") == 4 else [])
+
+
 def test_a_checkpoint_after_a_stop_resumes_as_the_run_went_on(tmp_path):
     stop = {"sink_options": {"strategy": "scan", "stop_if_nonfinite": "loss"}}
     epochs = _Epochs()  # sink_size 4: epoch 2 (batches 4-7) ends at 5

@@ -55,6 +55,13 @@ from sinkax.train.steps import (
 
 # the DatasetHelper arguments Model.train and Model.eval pass themselves
 _SET_BY_TRAIN = {"sink_size", "dataset_sink_mode", "epoch_num", "data_state"}
+_NOT_FINITE_AGAIN = (
+    "The step on the batch at data epoch {0.epoch}, step {0.step} was not finite, and again "
+    "when training went on from that batch: training cannot go past it. model.state holds the "
+    "params from before it. Add TerminateOnNaN() to the callbacks to stop there without an "
+    "error, or fix that batch or the step (e.g. a lower learning rate, a loss that guards "
+    "log(0))."
+)
 
 
 def _check_epochs(epoch: Any, initial_epoch: Any) -> None:
@@ -260,6 +267,7 @@ class Model:
             )
             _notify(callbacks, "on_train_begin", run)
             self.state = state  # every check has passed: the run starts
+            stopped_at = None  # the data position of the last stop at a non-finite step
             for number in range(initial_epoch + 1, epoch + 1):
                 run.epoch, run.step_in_epoch, resumed_in_epoch = number, resumed_in_epoch, 0
                 run.epoch_from = run.step_in_epoch
@@ -272,6 +280,10 @@ class Model:
                         self.state, run.outputs = net(self.state)
                         steps = len(run.outputs["loss"])
                         run.nonfinite = getattr(net, "nonfinite", None)  # a sink cut short
+                        at = run.nonfinite and (run.nonfinite.epoch, run.nonfinite.step)
+                        if at and not steps and at == stopped_at:  # its 2nd try failed too
+                            raise FloatingPointError(_NOT_FINITE_AGAIN.format(run.nonfinite))
+                        stopped_at = at
                         run.state, run.step = self.state, run.step + steps
                         run.step_in_epoch += steps
                         _notify(callbacks, "on_step_end", run)
