@@ -19,6 +19,7 @@ import pytest
 from conftest import ctrl_c_at_check, producer_threads, producers_left
 
 import sinkax
+from sinkax.datasets import pad_batch
 from sinkax.train import (
     Callback,
     DatasetHelper,
@@ -220,6 +221,22 @@ def test_eval_weighs_a_ragged_last_batch_by_its_size_in_non_sink_mode():
     result = model.eval(ragged, dataset_sink_mode=False)
     per_batch = np.array([b["label"][0] for b in ragged], float)
     assert result["first_label"] == pytest.approx(np.average(per_batch, weights=[16, 16, 4]))
+
+
+@pytest.mark.parametrize("kind", ["list", "grain"])
+def test_a_ragged_last_eval_batch_is_named_with_the_padding_fix_before_training(kind):
+    data = blobs(3)
+    ragged = [*data[:2], {"image": data[2]["image"][:4], "label": data[2]["label"][:4]}]
+    valid = ragged if kind == "list" else grain.MapDataset.source(ragged)
+    fix = r"last batch has 4 rows, its first 16.*PadBatch\(16\).*dataset_sink_mode=False"
+    model, epochs = new_model(), _Epochs()
+    with pytest.raises(ValueError, match=fix):
+        model.eval(valid)
+    with pytest.raises(ValueError, match=fix):  # at the start, not after an epoch's training
+        model.train(2, blobs(4), [epochs, EvalCallback(valid, verbose=False)])
+    assert epochs.ended == [] and int(model.state.step) == 0
+    padded = [pad_batch(batch, 16) for batch in ragged]
+    assert model.eval(padded) == pytest.approx(model.eval(ragged, dataset_sink_mode=False))
 
 
 def test_non_sink_mode_trains_on_a_smaller_last_batch_as_a_plain_loop_does():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 
@@ -53,6 +54,8 @@ class Evaluator:
                 f"known length; {type(dataset).__name__} has no len(). Give a sized dataset (a "
                 "grain MapDataset, a list, an object with __len__)."
             )
+        if dataset_sink_mode:
+            check_last_batch(dataset)
         options = {k: v for k, v in (sink_options or {}).items() if k not in TRAINING_ONLY}
         self._helper = DatasetHelper(dataset, dataset_sink_mode, -1, passes, **options)
         self._net = connect_network_with_dataset(eval_step, self._helper)
@@ -75,3 +78,25 @@ class Evaluator:
     def close(self) -> None:
         """Stop the data producer."""
         self._helper.close()
+
+
+def check_last_batch(dataset: Any) -> None:
+    """``ValueError`` if ``dataset`` (a sequence, or a grain ``MapDataset``) ends with a batch of
+    fewer rows than its first: a sink's batches have one shape, so evaluating it in sink mode
+    would fail at that batch, after the rest of the pass ran. Datasets without indexing pass.
+
+    >>> check_last_batch([{"x": np.zeros(4)}, {"x": np.zeros(3)}])
+    Traceback (most recent call last):
+    ValueError: The evaluation dataset's last batch has 3 rows, its first 4: ...
+    """
+    if not isinstance(dataset, Sequence | grain.MapDataset) or len(dataset) < 2:
+        return
+    first, last = (jax.tree.leaves(dataset[i]) for i in (0, len(dataset) - 1))
+    rows = [np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in (first[0], last[0])]
+    if None not in rows and rows[1] < rows[0]:
+        raise ValueError(
+            f"The evaluation dataset's last batch has {rows[1]} rows, its first {rows[0]}: in "
+            "sink mode every batch has one shape. Pad it, so that every example counts: "
+            f"`.map(sinkax.datasets.PadBatch({rows[0]}))` after the batching (its padding rows "
+            "are not counted), or evaluate with dataset_sink_mode=False."
+        )
