@@ -860,6 +860,33 @@ def test_resume_in_a_fresh_process(tmp_path):
         np.testing.assert_array_equal(saved[f"arr_{i}"], leaf)
 
 
+def test_a_save_by_a_checkpointer_outside_the_callbacks_is_written_before_the_process_exits(
+    tmp_path,
+):
+    # a "keep the best" callback with its own ModelCheckpoint: no run's end waits for its saves
+    script = textwrap.dedent(
+        f"""
+        from sinkax.train import Callback, ModelCheckpoint
+        from test_model import blobs, new_model
+        best = ModelCheckpoint({str(tmp_path / "best")!r}, keep_last=1)
+
+        class SaveEveryEpoch(Callback):
+            def on_epoch_end(self, run):
+                best.save(run)
+
+        new_model().train(3, blobs(4), SaveEveryEpoch())
+        """
+    )  # ... and the process exits at once after its last save
+    path = [str(ROOT / "tests"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path / "best")) == ["12"]  # written whole, none half-done
+    assert ModelCheckpoint(tmp_path / "best").latest_step() == 12
+
+
 def test_resume_in_non_sink_mode_and_restore_metadata(tmp_path):
     dataset = shuffled_blobs(6)
     uninterrupted = new_model()

@@ -90,6 +90,7 @@ class ModelCheckpoint(Callback):
         self.keep_last = checks.count("keep_last", keep_last)
         self.save_every_epochs = checks.count("save_every_epochs", save_every_epochs)
         self._manager: Any = None
+        self._in_run = False  # entered as a callback: its __exit__ waits for pending saves
         self._completed: int | None = None  # the last epoch that ran to its end
         self._saved: int | None = None  # the step of the last save
 
@@ -153,13 +154,20 @@ class ModelCheckpoint(Callback):
                 RuntimeWarning,
             )
 
+    def __enter__(self) -> ModelCheckpoint:
+        self._in_run = True
+        return self
+
     def __exit__(self, *exc: object) -> None:
+        self._in_run = False
         self._close()  # pending writes finish, also when training failed after a save
 
     def save(self, run: RunContext) -> None:
-        """Save now (asynchronously: the state is copied to the host first), unless this step
-        is saved already. Within an epoch, the checkpoint records the epochs completed before
-        it and the steps run of it: a run resumed from it finishes that epoch."""
+        """Save now, unless this step is saved already: in a run whose callbacks hold this
+        checkpointer asynchronously (the state is copied to the host first; the run's end waits
+        for the write), else (a checkpointer kept by another callback) before returning. Within
+        an epoch, the checkpoint records the epochs completed before it and the steps run of
+        it: a run resumed from it finishes that epoch."""
         ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
         if self._saved == run.step:  # e.g. by the user's callback, then at the epoch's end
             return
@@ -174,6 +182,8 @@ class ModelCheckpoint(Callback):
         }
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._open().save(run.step, args=args, force=True)
+        if not self._in_run:  # no __exit__ waits for it
+            self._open().wait_until_finished()
         self._saved = run.step
 
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
