@@ -375,6 +375,26 @@ def test_a_data_loaders_position_is_json_and_resumes_exactly():
         assert np.asarray(sink(jnp.int32(0))[1]).ravel().tolist() == expected == [4, 5, 0, 1]
 
 
+def test_close_stops_a_data_loaders_reader_threads():
+    def readers():
+        return {t for t in threading.enumerate() if t.name.startswith("grain-prefetch")}
+
+    loader = grain.DataLoader(
+        data_source=list(range(60)),
+        sampler=grain.samplers.IndexSampler(60, num_epochs=None, shuffle=True, seed=0),
+        operations=[_AsIndex()],
+        worker_count=0,  # read by grain's threads in this process
+    )
+    before = readers()
+    with sinkax.data_sink(collect_index, loader, 4) as sink:
+        sink(jnp.int32(0))
+        assert readers() - before  # (else this test proves nothing)
+    deadline = time.monotonic() + 20  # they end once their batch in hand is read
+    while readers() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert readers() - before == set()  # with the sink still referenced (it ends them)
+
+
 def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):
     ragged = [*batches[:5], {"x": batches[5]["x"][:3], "y": batches[5]["y"][:3]}]
     state = init_state()

@@ -143,12 +143,19 @@ class MapDatasetSource:
         self._next_index = index
 
     def close(self) -> None:
-        self._iterator.close()
-        # grain's close() shuts its prefetch pool down without waiting; wait, so that no
-        # thread outlives the sink.
-        executor = getattr(self._iterator, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=True)
+        close(self._iterator)
+
+
+def close(iterator: Any) -> None:
+    """Close ``iterator`` and wait for the threads it reads with, so that none outlives the
+    sink: grain's ``close()`` shuts its prefetch pool down without waiting, and a grain
+    ``DataLoader``'s iterator has no ``close()``, only the dataset iterator it wraps."""
+    if isinstance(iterator, grain.DataLoaderIterator):
+        iterator = getattr(iterator, "_iterator", iterator)  # (grain 0.2: no public way)
+    getattr(iterator, "close", lambda: None)()
+    executor = getattr(iterator, "_executor", None)
+    if executor is not None:
+        executor.shutdown(wait=True)
 
 
 def fingerprint(batch: Any) -> str:
@@ -295,7 +302,7 @@ class IterableSource:
                 )
 
     def close(self) -> None:
-        getattr(self._iterator, "close", lambda: None)()
+        close(self._iterator)
 
 
 class ReplayDiffersError(ValueError):
