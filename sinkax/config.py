@@ -245,7 +245,13 @@ class SinkConfig:
 
     def check_length(self, epoch_length: int | None, dataset: Any) -> int | None:
         """The steps per call over ``dataset`` of ``epoch_length`` batches, or a ``ValueError``
-        if ``sink_size=-1`` (one epoch per call) and its length is unknown."""
+        if ``sink_size=-1`` (one epoch per call) or ``ragged_last`` and its length is unknown."""
+        if self.ragged_last and epoch_length is None:
+            raise ValueError(
+                "ragged_last=True lets each epoch's last batch have fewer rows, which needs a "
+                f"dataset of known length to tell which batch is last; {type(dataset).__name__} "
+                "has no len(). Give a sized dataset, or batch with drop_remainder=True."
+            )
         if self.sink_size == -1 and epoch_length is None:
             raise ValueError(
                 "sink_size=-1 runs one epoch per call, which needs a dataset of known length; "

@@ -1232,3 +1232,41 @@ def test_ragged_last_takes_each_epochs_smaller_last_batch_and_only_that(batches)
             sink(init_state())
     with pytest.raises(ValueError, match=r"ragged_last=True .* would run 'scan'.*strategy='step'"):
         sinkax.data_sink(train_step, ragged, 1, strategy="scan", ragged_last=True)
+
+
+def test_ragged_last_over_a_dataset_of_unknown_length_is_refused_at_once(batches):
+    class Unsized:  # which batch is an epoch's last is not known
+        def __iter__(self):
+            return iter(batches)
+
+    with pytest.raises(ValueError, match=r"ragged_last=True .* needs a dataset of known length"):
+        sinkax.data_sink(train_step, Unsized(), 1, strategy="step", ragged_last=True)
+
+
+def test_ragged_last_resumes_at_the_short_batch_and_goes_on_past_it(batches):
+    # a new producer's first batch is then the short one: the next, full one sets the layout
+    ragged = [*batches[:3], {k: v[:5] for k, v in batches[3].items()}]
+    expected = reference_run(ragged, 8)[1][3:]  # the short batch, then a whole epoch
+    options = {"strategy": "step", "ragged_last": True}
+
+    with sinkax.data_sink(train_step, ragged, 1, **options) as sink:
+        state = init_state()
+        for _ in range(3):
+            state, _ = sink(state)
+        saved, at_short = sink.data_state(), sinkax.pytree.copy_tree(state)
+        sink(sinkax.pytree.copy_tree(state))  # past it, then back (a rewind in the same sink)
+        sink.restore_data_state(saved)
+        rewound = run_calls(sink, sinkax.pytree.copy_tree(at_short), 5)
+    with sinkax.data_sink(train_step, ragged, 1, data_state=saved, **options) as sink:
+        resumed = run_calls(sink, at_short, 5)
+    np.testing.assert_allclose(rewound, expected, rtol=1e-5)
+    np.testing.assert_allclose(resumed, expected, rtol=1e-5)
+
+
+def run_calls(sink, state, calls):
+    """The first loss of each of ``calls`` calls of ``sink`` from ``state``."""
+    losses = []
+    for _ in range(calls):
+        state, loss = sink(state)
+        losses.append(float(loss[0]))
+    return losses

@@ -1,14 +1,15 @@
 """The data sink: a producer thread that fills a bounded ring of device-resident chunks.
 
 The producer pulls batches from a :class:`~sinkax.channel.source.Source`, checks each against
-the first batch's :class:`~sinkax.spec.BatchSpec`, hands it to the ring's packer
-(:mod:`sinkax.channel.packers`: stacked into a slot's staging buffers and put on the device, or
-copied and handed over unstacked, as the strategy's ``feed`` asks) and queues the chunk, ahead of
-the consumer. A chunk holds one of the ``prefetch + 1`` slots from the moment the producer
-starts filling it until the compute on it has finished (the consumer hands the slot back with
-what that compute makes, :meth:`DeviceRing.release`, and the producer waits for it before it
-refills the slot, so the consumer never does): at most ``prefetch + 1`` chunks are on the
-device, ``prefetch`` ready and one computed on.
+the first batch's :class:`~sinkax.spec.BatchSpec` (``ragged_last``: the next one's, if the first
+ends an epoch), hands it to the ring's packer (:mod:`sinkax.channel.packers`: stacked into a
+slot's staging buffers and put on the device, or copied and handed over unstacked, as the
+strategy's ``feed`` asks) and queues the chunk, ahead of the consumer. A chunk holds one of the
+``prefetch + 1`` slots from the moment the producer starts filling it until the compute on it
+has finished (the consumer hands the slot back with what that compute makes,
+:meth:`DeviceRing.release`, and the producer waits for it before it refills the slot, so the
+consumer never does): at most ``prefetch + 1`` chunks are on the device, ``prefetch`` ready and
+one computed on.
 
 It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
 the source position and state after its last batch.
@@ -108,14 +109,15 @@ class DeviceRing:
 
     def _run_producer(self) -> None:
         try:
-            start = self._source.position
-            first = self._read()
-            spec = BatchSpec.of(first)
+            start, read = self._source.position, [self._read()]
+            if self.packer.ragged_last and start.step + 1 == self._source.epoch_length:
+                read.append(self._read())  # the first, an epoch's last, may be short: the next
+            spec = BatchSpec.of(read[-1])  # batch gives the layout
             self.packer.check(spec)  # that it splits over the devices as the sharding asks
             self.spec = spec
             self._spec_known = True
             self._spec_pending.release()
-            pending = [_Row(check(self.spec, first, start))]  # checked here, at its position
+            pending = [_Row(check(spec, batch, start, len(read) > 1)) for batch in read]
             layouts = self._plan(self.spec, start)
             head = list(itertools.islice(layouts, 3))
             capacity = max(map(_steps, head), default=0)  # later layouts are alike
@@ -142,8 +144,7 @@ class DeviceRing:
 
     def _read(self) -> Any:
         batch = next(self._source)
-        self.stats.batches += 1
-        self.last_progress = time.monotonic()
+        self.stats.batches, self.last_progress = self.stats.batches + 1, time.monotonic()
         return batch
 
     def _acquire_slot(self) -> list[np.ndarray] | None:
