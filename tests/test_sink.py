@@ -783,6 +783,32 @@ def test_a_sink_nobody_closed_stops_its_producer_when_collected(batches):
     assert set(threading.enumerate()) - before == set()
 
 
+@pytest.mark.parametrize("calls_after", [0, 2])
+def test_a_sink_nobody_closed_whose_dataset_failed_is_collected(batches, calls_after):
+    class Fails(KeyError):  # raised by the dataset: the ring keeps it for every later call
+        pass
+
+    def failing():
+        yield from batches[:4]
+        raise Fails("a bad record")
+
+    class Dataset:
+        def __iter__(self):
+            return failing()
+
+    before = producer_threads()
+    sink = sinkax.data_sink(train_step, Dataset(), 3)
+    state, _ = sink(init_state())
+    for _ in range(1 + calls_after):  # each raise's traceback holds the sink's frame
+        with pytest.raises(Fails):
+            state, _ = sink(state)
+    assert producers_left(before) == []  # (a live producer would hold its ring)
+    collected = weakref.ref(sink)
+    del sink
+    gc.collect()
+    assert collected() is None
+
+
 def test_at_most_prefetch_plus_one_chunks_on_the_device():
     with sinkax.data_sink(collect_index, indexed_map_dataset(400, 4), 2, prefetch=2) as sink:
         for _ in range(20):
