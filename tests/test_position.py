@@ -63,6 +63,10 @@ def test_a_position_its_source_state_disagrees_with_is_refused_as_edited(dataset
         match = r"is at epoch 0, step 4, but its 'source' is at epoch 0, step 2: it was edited"
         with pytest.raises(ValueError, match=match):
             sink.restore_data_state(edited)
+        mixed = {**saved, "epoch": 2, "step": 0}  # another epoch, the length it was saved at
+        match = r"is at epoch 2, step 0, but its 'source' is at epoch 0, step 2: it was edited"
+        with pytest.raises(ValueError, match=match):
+            sink.restore_data_state(mixed)
         assert sink.data_state() == saved
         assert seen(sink(jnp.int32(0))[1]) == expected
 

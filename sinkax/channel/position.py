@@ -165,10 +165,11 @@ def check_fits(source: Source, data: DataPosition) -> None:
 
 
 def _length_error(data: DataPosition, saved: str, length: int | None) -> ValueError:
+    this = f"{length} batches per epoch" if length else f"fewer than {data.step + 1} an epoch"
     return ValueError(
         f"This data_state was saved over a dataset of another epoch length ({saved}) than this "
-        f"one ({length} batches per epoch), at {data.position}: resuming would run partial "
-        "epochs. Resume with the dataset and batch size it was saved with, or start without it."
+        f"one ({this}), at {data.position}: resuming would run partial epochs. Resume with the "
+        "dataset and batch size it was saved with, or start without it."
     )
 
 
@@ -193,8 +194,8 @@ def move_to(source: Source, data: DataPosition) -> None:
     if source.position != data.position or too_far:
         index = data.source.get("next_index")  # a grain state implies its length
         implied = (index - data.step) // data.epoch if data.epoch and index else None
-        here = source.position  # in the same epoch, elsewhere: not a matter of length
-        if not (implied or too_far) and here.epoch == data.epoch:
+        here = source.position  # elsewhere, of the length it saved (checked) or in its epoch
+        if not too_far and (data.epoch_length or (not implied and here.epoch == data.epoch)):
             raise ValueError(
                 f"This data_state is at {data.position}, but its 'source' is at {here}: it "
                 "was edited, or mixed from two saves. Give what Sink.data_state() returned, "
