@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -282,6 +283,10 @@ def test_save_graphs_and_read_options_of_another_type_are_named():
     for options in ({"num_threads": 4}, 4):
         with pytest.raises(TypeError, match=r"read_options must be a grain.ReadOptions"):
             sinkax.data_sink(collect_index, indexed_map_dataset(8, 2), 2, read_options=options)
+    threads = grain.ReadOptions(num_threads=2)
+    iterable = indexed_map_dataset(8, 2).to_iter_dataset()  # read as it is: said so
+    with pytest.warns(UserWarning, match=r"read_options apply to a grain MapDataset.*without them"):
+        sinkax.data_sink(collect_index, iterable, 2, read_options=threads).close()
 
 
 def test_a_prefetch_the_ring_cannot_set_up_is_refused_naming_the_limit():

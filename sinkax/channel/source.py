@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from grain.experimental import get_next_index
 
+from sinkax.errors import warn
+
 
 @dataclasses.dataclass(frozen=True)
 class Position:
@@ -319,6 +321,13 @@ def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> So
         )
     if isinstance(dataset, grain.MapDataset):
         return MapDatasetSource(dataset, read_options)
+    if read_options is not None:
+        warn(
+            f"read_options apply to a grain MapDataset (read as its to_iter_dataset(read_options))"
+            f"; this {type(dataset).__name__} is read as it is, without them. Give its options "
+            "where it is made: map_dataset.to_iter_dataset(read_options), or a DataLoader's "
+            "worker_count."
+        )
     if not isinstance(dataset, Iterable):
         raise TypeError(
             f"dataset must be a grain MapDataset/IterDataset/DataLoader or a re-iterable of "
