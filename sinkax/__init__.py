@@ -13,7 +13,13 @@ from sinkax.backend import resolve_device
 from sinkax.channel.position import DataPosition
 from sinkax.channel.source import Position
 from sinkax.context import GRAPH_MODE, PYNATIVE_MODE, get_context, set_context
-from sinkax.errors import BatchSpecError, SinkClosedError, SinkError, SinkTimeoutError
+from sinkax.errors import (
+    BatchSpecError,
+    SinkClosedError,
+    SinkError,
+    SinkExhaustedError,
+    SinkTimeoutError,
+)
 from sinkax.sink import Sink, SinkStats, data_sink
 from sinkax.train import (
     Callback,
@@ -53,6 +59,7 @@ __all__ = [
     "Sink",
     "SinkClosedError",
     "SinkError",
+    "SinkExhaustedError",
     "SinkStats",
     "SinkTimeoutError",
     "TerminateOnNaN",

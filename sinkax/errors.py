@@ -41,6 +41,6 @@ class SinkExhaustedError(SinkError):
     def __init__(self) -> None:
         super().__init__(
             "This sink has made every call it was created for (its `calls=`, or its "
-            "`total_steps=` for sink_size='auto'), and its producer read no data past them. "
+            "`total_steps=` for sink_size='auto' or -1), and its producer read no data past them. "
             "Create it with a larger bound, or without one to run on."
         )

@@ -301,7 +301,7 @@ def test_total_steps_ends_the_last_call_there_and_reads_nothing_past_it(monkeypa
         while sink.step < 20:  # targets x8 a call: the last call ends at the bound, not its target
             sink(jnp.int32(0))
         sizes = sink.stats.call_sizes
-        with pytest.raises(sinkax.errors.SinkExhaustedError, match="total_steps="):
+        with pytest.raises(sinkax.SinkExhaustedError, match="total_steps="):
             sink(jnp.int32(0))
         assert sink.step == 20  # the failed call took nothing
     assert sum(sizes) == 20 and sizes[0] == 1

@@ -843,7 +843,7 @@ def test_a_sink_of_known_calls_reads_nothing_past_them(batches):
     with sinkax.data_sink(train_step, dataset, 3, calls=2, prefetch=4) as sink:
         for _ in range(2):
             state, _ = sink(state)
-        with pytest.raises(sinkax.errors.SinkExhaustedError, match="calls="):
+        with pytest.raises(sinkax.SinkExhaustedError, match="calls="):
             sink(state)
         assert (sink.epoch, sink.step) == (0, 6)  # the failed call took nothing
     assert read == list(range(6))  # prefetch 4 calls ahead, but there were only 2
