@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_model import Recorder, blobs, new_model, shuffled_blobs
+from test_model import Recorder, _SaveAndStopAt, blobs, new_model, shuffled_blobs
 
 from sinkax.train import (
     Callback,
@@ -113,6 +113,34 @@ def test_progress_bar_without_a_sink_counts_each_step_once():
     bar = ProgressBar(file=io.StringIO())
     new_model().train(2, blobs(5), callbacks=bar, dataset_sink_mode=False)
     assert bar.bar.total == 10 and bar.bar.n == 10
+
+
+def test_a_run_resumed_within_an_epoch_counts_only_its_own_steps(tmp_path, capsys):
+    saved = ModelCheckpoint(tmp_path)
+    new_model().train(3, shuffled_blobs(10), [saved, _SaveAndStopAt(saved, 5)], False)
+    capsys.readouterr()
+    bar, monitor = ProgressBar(file=io.StringIO()), TimeMonitor()
+    run = new_model().train(3, shuffled_blobs(10), [bar, monitor], False, resume_from=tmp_path)
+    assert run.step == 30 and bar.bar.total == bar.bar.n == 25  # 5 of epoch 1, then 2 whole
+    first = lines(capsys)[0]  # epoch 1: its 5 steps of this run, not 10
+    epoch_ms, step_ms = map(float, re.findall(r"(\d+\.\d+) ms", first))
+    assert step_ms == pytest.approx(epoch_ms / 5, abs=1e-3), first
+
+
+def test_mindspore_hook_names_warn_that_sinkax_never_calls_them():
+    with pytest.warns(
+        UserWarning, match=r"Ported.on_train_epoch_end is MindSpore's name .* on_epoch_end"
+    ):
+
+        class Ported(Callback):
+            def on_train_epoch_end(self, run_context):
+                pass
+
+    with pytest.warns(UserWarning, match=r"Legacy.step_begin is MindSpore's hook before each step"):
+
+        class Legacy(Callback):
+            def step_begin(self, run_context):
+                pass
 
 
 def test_model_checkpoint_keeps_the_last_n_every_m_epochs(tmp_path):

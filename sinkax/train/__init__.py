@@ -6,19 +6,11 @@ eval steps they run.
 """
 
 from sinkax.train.adapters import from_linen, from_nnx
-from sinkax.train.callbacks import (
-    Callback,
-    EvalCallback,
-    History,
-    LossMonitor,
-    ProgressBar,
-    RunContext,
-    TerminateOnNaN,
-    TimeMonitor,
-)
+from sinkax.train.callbacks import Callback, EvalCallback, RunContext, TerminateOnNaN
 from sinkax.train.checkpoint import ModelCheckpoint
 from sinkax.train.helper import DatasetHelper, connect_network_with_dataset
 from sinkax.train.model import Model
+from sinkax.train.monitors import History, LossMonitor, ProgressBar, TimeMonitor
 from sinkax.train.steps import (
     StatefulApply,
     TrainState,

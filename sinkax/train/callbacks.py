@@ -13,12 +13,12 @@ every step's loss of that sink; in non-sink mode it runs after every step with o
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+from sinkax.errors import warn
 from sinkax.train import checks
 
 if TYPE_CHECKING:
@@ -27,6 +27,21 @@ if TYPE_CHECKING:
     from sinkax.train.helper import DatasetHelper
     from sinkax.train.model import Model
     from sinkax.train.steps import TrainState
+
+
+# MindSpore's callback hooks (2.x, and the older names) -> sinkax's, or None: none runs there
+_MINDSPORE_HOOKS = {
+    "on_train_epoch_begin": "on_epoch_begin",
+    "on_train_epoch_end": "on_epoch_end",
+    "on_train_step_begin": None,
+    "on_train_step_end": "on_step_end",
+    "begin": "on_train_begin",
+    "epoch_begin": "on_epoch_begin",
+    "epoch_end": "on_epoch_end",
+    "step_begin": None,
+    "step_end": "on_step_end",
+    "end": "on_train_end",
+}
 
 
 @dataclasses.dataclass
@@ -96,6 +111,19 @@ class Callback:
     callback releases what it holds (pending checkpoint writes, an eval sink's thread).
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in sorted(set(vars(cls)) & _MINDSPORE_HOOKS.keys()):
+            ours, where = _MINDSPORE_HOOKS[name], f"{cls.__name__}.{name}"
+            warn(
+                f"{where} is MindSpore's name for the hook sinkax calls {ours}; sinkax never "
+                f"calls {name}: rename it {ours} (the mapping: sinkax's docs, mindspore.md)."
+                if ours
+                else f"{where} is MindSpore's hook before each step, which sinkax has not (a "
+                f"sink runs its steps on the device); sinkax never calls {name}: use "
+                "on_step_end, after each sink."
+            )
+
     def __enter__(self) -> Callback:
         return self
 
@@ -121,77 +149,6 @@ class Callback:
 
     def on_train_end(self, run: RunContext) -> None:
         """After the last epoch, or once a stop was requested."""
-
-
-class LossMonitor(Callback):
-    """Prints ``epoch: 1 step: 125, loss is 0.0512...`` (the last step's loss).
-
-    In sink mode it prints at the end of each sink that completes at least ``per_print_times``
-    steps since the last print; in non-sink mode every ``per_print_times`` steps. ``0`` prints
-    nothing.
-
-    >>> LossMonitor(per_print_times=100).per_print_times
-    100
-    """
-
-    def __init__(self, per_print_times: int = 1):
-        self.per_print_times = checks.count("per_print_times", per_print_times, 0)
-        self._last_print = 0
-
-    def on_train_begin(self, run: RunContext) -> None:
-        self._last_print = run.step
-
-    def on_step_end(self, run: RunContext) -> None:
-        if self.per_print_times and run.step - self._last_print >= self.per_print_times:
-            self._last_print = run.step
-            loss = float(run.losses[-1])
-            print(f"epoch: {run.epoch} step: {run.step_in_epoch}, loss is {loss}", flush=True)
-
-
-class TimeMonitor(Callback):
-    """Prints ``epoch time: 812.345 ms, per step time: 6.499 ms`` after each epoch.
-
-    It waits for the epoch's computation to finish, so the time is the true wall time.
-
-    >>> TimeMonitor().epoch_times
-    []
-    """
-
-    def __init__(self) -> None:
-        self.epoch_times: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, run: RunContext) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, run: RunContext) -> None:
-        jax.block_until_ready(run.outputs)
-        seconds = time.perf_counter() - self._start
-        self.epoch_times.append(seconds)
-        per_step = 1e3 * seconds / max(1, run.step_in_epoch)
-        print(f"epoch time: {1e3 * seconds:.3f} ms, per step time: {per_step:.3f} ms", flush=True)
-
-
-class History(Callback):
-    """Collects every step's loss of the run.
-
-    >>> History().losses
-    array([], dtype=float32)
-    """
-
-    def __init__(self) -> None:
-        self._losses: list[np.ndarray] = []
-
-    def on_train_begin(self, run: RunContext) -> None:
-        self._losses = []
-
-    def on_step_end(self, run: RunContext) -> None:
-        self._losses.append(run.losses)
-
-    @property
-    def losses(self) -> np.ndarray:
-        """All losses in step order."""
-        return np.concatenate(self._losses) if self._losses else np.zeros(0, np.float32)
 
 
 class TerminateOnNaN(Callback):
@@ -237,57 +194,6 @@ class TerminateOnNaN(Callback):
             flush=True,
         )
         run.request_stop()
-
-
-class ProgressBar(Callback):
-    """A ``tqdm`` bar over all steps of the run, advanced while each sink runs.
-
-    The training sink reports every ``every``-th step from the device as it runs
-    (``progress=``, see :mod:`sinkax.execution.progress`), with that step's loss; where the
-    device runs no host callbacks (the emulated device) it reports once per sink. In non-sink
-    mode, a sink of one step per call, the bar advances after every step. A text bar, in a
-    notebook too: a widget bar's saved output is its text when first shown (``0%``), where a
-    text bar's reads as it ended.
-
-    >>> ProgressBar().bar is None
-    True
-    """
-
-    def __init__(self, every: int = 100, **tqdm_options: Any):
-        self.every = checks.count("every", every)
-        self.tqdm_options = tqdm_options
-        self.bar: Any = None
-        self._epoch = self._start = 0
-
-    def sink_options(self) -> dict[str, Any]:
-        return {"progress": self._advance, "progress_every": self.every}
-
-    def on_train_begin(self, run: RunContext) -> None:
-        tqdm = checks.optional("tqdm.std", "ProgressBar").tqdm
-        total = (run.epochs - run.initial_epoch) * (run.steps_per_epoch or 0) or None
-        self.bar = tqdm(total=total, unit="step", **self.tqdm_options)
-        self._start = run.step
-
-    def on_step_end(self, run: RunContext) -> None:
-        if run.nonfinite is not None:  # the device reported the steps a stop discarded too
-            jax.effects_barrier()
-            self.bar.n = run.step - self._start
-            self.bar.refresh()
-
-    def on_epoch_begin(self, run: RunContext) -> None:
-        self._epoch = run.epoch
-
-    def _advance(self, steps: int, out: Any) -> None:
-        """The sink's progress hook: ``steps`` more done, ``out`` the latest one's output."""
-        self.bar.update(steps)
-        self.bar.set_postfix(epoch=self._epoch, loss=f"{float(out['loss']):.4f}")
-
-    def on_train_end(self, run: RunContext) -> None:
-        jax.effects_barrier()  # the device's last reports reach the bar before it closes
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 class EvalCallback(Callback):

@@ -264,6 +264,7 @@ class Model:
                 epochs=epoch,
                 epoch=initial_epoch,
                 step=int(state.step),
+                step_in_epoch=resumed_in_epoch,  # steps of the next epoch run before
             )
             _notify(callbacks, "on_train_begin", run)
             self.state = state  # every check has passed: the run starts
