@@ -29,6 +29,7 @@ flat at log(10) for several epochs, and the reference's constant 0.01 gets off t
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -58,11 +59,22 @@ def _sink_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an int or auto, got {text!r}") from None
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {text}")
-    return value
+def _float(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """Parses a float for which ``ok`` holds (NaN never does)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+_seconds = _float(lambda value: 0 < value < math.inf, "seconds > 0")
+_rate = _float(lambda value: 0 < value < math.inf, "a learning rate > 0")
+_momentum = _float(lambda value: 0 <= value < 1, "a momentum in [0, 1)")
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -117,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "process under python -m sinkax.launch, which also splits over the processes)",
     )
     train.add_argument("--seed", type=_natural, default=0, help="initialisation and shuffling seed")
-    train.add_argument("--lr", type=float, default=0.03, help="(peak) learning rate")
-    train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    train.add_argument("--lr", type=_rate, default=0.03, help="(peak) learning rate")
+    train.add_argument("--momentum", type=_momentum, default=0.9, help="SGD momentum")
     train.add_argument(
         "--schedule",
         choices=("cosine", "constant"),

@@ -72,7 +72,8 @@ def test_python_dash_m_and_bad_options():
         main([])
     assert exit_info.value.code == 2
     bads = (["--epochs", "0"], ["--sink-size", "many"], ["--call-seconds", "1"])
-    for bad in (*bads, ["--seed", "-1"], ["--batch-size", "0"]):
+    numbers = (["--lr", "nan"], ["--lr", "-0.1"], ["--momentum", "1"], ["--call-seconds", "0"])
+    for bad in (*bads, *numbers, ["--seed", "-1"], ["--batch-size", "0"]):
         with pytest.raises(SystemExit) as exit_info:  # before anything is built
             main(["train", *bad])
         assert exit_info.value.code == 2
