@@ -111,6 +111,39 @@ def test_a_flax_train_state_with_a_dropout_key_matches_a_plain_loop(sink_options
     assert int(state.step) == 3 * sink_size
 
 
+def test_a_learning_rate_set_in_place_on_the_returned_state_is_used(sink_options, monkeypatch):
+    # optax's way to change a learning rate: assign it in the state's hyperparams, here as a
+    # Python number, between calls (auto still measuring: trials longer than the run)
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 1e6)
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+
+    def step(state, batch):
+        params, opt = state
+        grads = jax.grad(lambda p: jnp.sum((p * batch) ** 2))(params)
+        updates, opt = optimizer.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), params.sum()
+
+    def run(call):
+        state = (jnp.ones(3), optimizer.init(jnp.ones(3)))
+        for i, lr in enumerate([None, 0.05, 1]):  # a float, then an int
+            if lr is not None:
+                state[1].hyperparams["learning_rate"] = lr
+            state = call(state, i)
+        return state
+
+    size, data = sink_size_for(sink_options), ones(6)
+    with sinkax.data_sink(step, data, size, **sink_options) as sink:
+        got = run(lambda state, i: sink(state)[0])
+    plain = jax.jit(step)
+    want = run(
+        lambda state, i: functools.reduce(
+            lambda s, b: plain(s, b)[0], data[i * size : (i + 1) * size], state
+        )
+    )
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert float(got[1].hyperparams["learning_rate"]) == 1.0
+
+
 def test_a_typed_key_in_a_batch_is_refused_with_the_fix():
     keys = [jax.random.key(i) for i in range(4)]
     with (

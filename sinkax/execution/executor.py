@@ -20,6 +20,7 @@ of device-resident chunks.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -86,7 +87,8 @@ class Executor:
         self._stateful: bool | None = None
         self._static: Static | None = None  # the state's non-array leaves, from the first call
         self._returned: Any = None  # the state the last call returned (its array part)
-        self._handed_back: Any = (None, None)  # the last returned state, and its array part
+        # the last returned state, its array part, and that part's leaves as returned
+        self._handed_back: Any = (None, None, [])
         self._watch = watcher(config.stop_if_nonfinite)  # None: the plain step
         self._carry: Any = None  # guarded: the last call's carry, its `ok` flag included
         self._stopped = False  # guarded: this call stopped at a non-finite step
@@ -198,10 +200,15 @@ class Executor:
 
     def _partition(self, state: Any) -> tuple[Any, Static | None]:
         """:func:`~sinkax.pytree.partition` of ``state``; free for the state the last call
-        returned."""
-        handed_back, arrays = self._handed_back
+        returned, unless a leaf of it was replaced in place since (an optax
+        ``inject_hyperparams`` learning rate set to a Python float, say): that one is placed
+        and typed again, as a new state is."""
+        handed_back, arrays, leaves = self._handed_back
         if state is handed_back:
-            return arrays, self._static
+            now = jax.tree.leaves(arrays)
+            if len(now) == len(leaves) and all(map(operator.is_, now, leaves)):
+                return arrays, self._static
+            self._returned, self._handed_back = None, (None, None, [])
         return partition(state)
 
     def place(self, state: Any, batch_spec: Callable[[], BatchSpec]) -> Any:
@@ -281,7 +288,7 @@ class Executor:
             carry = carry[0]
         self._returned = carry
         returned = carry if static is None else static.combine(carry)
-        self._handed_back = (returned, carry)
+        self._handed_back = (returned, carry, jax.tree.leaves(carry))
         return returned
 
     def lower(self, state: Any, spec: BatchSpec, steps: int) -> jax.stages.Lowered:
