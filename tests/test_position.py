@@ -86,13 +86,32 @@ def test_a_position_survives_json_and_older_dicts_still_load():
     assert DataPosition.from_dict(saved) == position
     # "strategy" too if "auto" reused a choice made for collect_index by an earlier sink
     assert position.strategy == saved.pop("strategy", None)
-    assert saved == {"epoch": 0, "step": 4, "source": {"next_index": 4}, "epoch_length": 6}
-    older = {"epoch": 0, "step": 4, "source": {"next_index": 4}}  # saved before epoch_length
+    assert saved.pop("source").keys() == {"next_index", "fingerprint"}  # within an epoch
+    assert saved == {"epoch": 0, "step": 4, "epoch_length": 6}
+    older = {"epoch": 0, "step": 4, "source": {"next_index": 4}}  # saved before both
     assert DataPosition.from_dict(older).epoch_length is None
     for start in (older, position):
         with sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=None), 2) as sink:
             sink.restore_data_state(start)
             assert seen(sink(jnp.int32(0))[1]) == list(range(16, 24))
+
+
+def test_a_grain_dataset_resumed_within_an_epoch_with_another_seed_is_refused():
+    with sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=1), 4) as sink:
+        sink(jnp.int32(0))
+        within = sink.data_state()  # epoch 0, step 4 of 6
+        sink(jnp.int32(0))
+        at_end = sink.data_state()  # epoch 1, step 2: its first batch read too
+        expected = seen(sink(jnp.int32(0))[1])
+    with sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=1), 4) as same:
+        same.restore_data_state(at_end)
+        assert seen(same(jnp.int32(0))[1]) == expected  # the same seed: exact
+    match = r"This epoch \(0\) of the dataset begins with another batch than the saved run's"
+    with pytest.raises(ValueError, match=match):
+        sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=2), 4, data_state=within)
+    edge = {**within, "step": 0, "source": {"next_index": 6}, "epoch": 1}  # an epoch's start
+    with sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=2), 4, data_state=edge):
+        pass  # a new epoch in another order repeats and skips nothing: allowed
 
 
 def test_a_saved_dict_is_a_copy():

@@ -28,7 +28,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from sinkax.channel.source import Position, ReplayDiffersError, Source
+from sinkax.channel.replay import ReplayDiffersError
+from sinkax.channel.source import Position, Source
 
 RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
 
@@ -180,10 +181,11 @@ def move_to(source: Source, data: DataPosition) -> None:
     check_fits(source, data)
     if not source.rereadable:  # a one-shot iterator at `data` already (see check_fits)
         return
+    differs = None  # raised once the length is known to fit: that would be the cause first
     try:
         source.set_state(dict(data.source))
-    except ReplayDiffersError:  # says what is wrong and what to do itself
-        raise
+    except ReplayDiffersError as error:  # says what is wrong and what to do itself
+        differs = error
     except Exception as error:
         raise ValueError(
             f"This data_state does not fit the dataset ({type(error).__name__}: {error}). Give "
@@ -202,3 +204,5 @@ def move_to(source: Source, data: DataPosition) -> None:
                 "unchanged."
             )
         raise _length_error(data, f"{implied or 'unknown'} batches per epoch", length)
+    if differs is not None:
+        raise differs

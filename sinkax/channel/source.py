@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import inspect
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import grain
-import jax
-import numpy as np
 from grain.experimental import get_next_index
 
+from sinkax.channel.replay import ReplayDiffersError, fingerprint
 from sinkax.errors import warn
 
 
@@ -101,10 +99,11 @@ class MapDatasetSource:
         self.epoch_length = known_length(dataset)
         if self.epoch_length == 0:
             raise _empty_error(dataset)
-        endless = dataset if self.epoch_length is None else dataset.repeat(None)
-        self._iterable = endless.to_iter_dataset(read_options or IN_PRODUCER_THREAD)
+        self._dataset = dataset if self.epoch_length is None else dataset.repeat(None)
+        self._iterable = self._dataset.to_iter_dataset(read_options or IN_PRODUCER_THREAD)
         self._iterator = iter(self._iterable)
         self._next_index = 0
+        self._first: str | None = None  # fingerprint of this epoch's first batch, once known
 
     @property
     def position(self) -> Position:
@@ -123,11 +122,18 @@ class MapDatasetSource:
                 "per epoch nor resume exactly. Pass `dataset.to_iter_dataset()` instead: its "
                 "epochs are its passes, counted as they go (use sink_size > 0)."
             )
+        if self.epoch_length and not self._next_index % self.epoch_length:
+            self._first = fingerprint(batch)
         self._next_index += 1
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        return {"next_index": self._next_index}
+        """``{"next_index"}``, and within an epoch the ``"fingerprint"`` of its first batch: a
+        resume checks it (another shuffle seed, other data: refused, see :meth:`set_state`)."""
+        state: dict[str, Any] = {"next_index": self._next_index}
+        if self._first and self.position.step:
+            state["fingerprint"] = self._first
+        return state
 
     def check_state(self, state: Any) -> None:
         index = state.get("next_index") if isinstance(state, dict) else None
@@ -138,11 +144,23 @@ class MapDatasetSource:
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        index = state["next_index"]
+        index, saved = state["next_index"], state.get("fingerprint")
         self.close()
         self._iterator = iter(self._iterable)
         self._iterator.set_state({"next_index": index})
-        self._next_index = index
+        self._next_index, self._first = index, None
+        step = self.position.step
+        if saved and step:  # the epoch's first batch, read again: the same as the saved run's?
+            self._first = fingerprint(self._dataset[index - step])
+            if self._first != saved:
+                raise ReplayDiffersError(
+                    f"This epoch ({self.position.epoch}) of the dataset begins with another batch "
+                    "than the saved run's did: its order or contents differ (another shuffle "
+                    "seed, other data), so resuming within the epoch would repeat some examples "
+                    "and skip others. Resume with the dataset the state was saved with (its seed "
+                    "too), or, to resume inexactly anyway, delete the 'fingerprint' key from "
+                    "the saved state's 'source'."
+                )
 
     def close(self) -> None:
         close(self._iterator)
@@ -158,24 +176,6 @@ def close(iterator: Any) -> None:
     executor = getattr(iterator, "_executor", None)
     if executor is not None:
         executor.shutdown(wait=True)
-
-
-def fingerprint(batch: Any) -> str:
-    """A short hash of ``batch``: its leaves' shapes, dtypes and up to ~256 evenly spaced values
-    each (enough to tell reshuffled batches apart, cheap for large ones).
-
-    >>> fingerprint({"x": np.arange(4)}) == fingerprint({"x": np.arange(4)})
-    True
-    >>> fingerprint({"x": np.arange(4)}) == fingerprint({"x": np.arange(4)[::-1]})
-    False
-    """
-    digest = hashlib.blake2b(digest_size=8)
-    for leaf in jax.tree.leaves(batch):
-        values = np.asarray(leaf)
-        flat = values.reshape(-1)
-        digest.update(f"{values.shape}{values.dtype.str}".encode())
-        digest.update(np.ascontiguousarray(flat[:: max(1, flat.size // 256)]).tobytes())
-    return digest.hexdigest()
 
 
 _ABC_MODULES = ("_collections_abc", "collections.abc", "typing")  # their __iter__: `return self`
@@ -305,10 +305,6 @@ class IterableSource:
 
     def close(self) -> None:
         close(self._iterator)
-
-
-class ReplayDiffersError(ValueError):
-    """A resume replayed an epoch's first batches, and they differ from the saved run's."""
 
 
 def as_source(dataset: Any, read_options: grain.ReadOptions | None = None) -> Source:
