@@ -3,6 +3,7 @@
 import json
 import re
 
+import grain
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,6 +113,16 @@ def test_a_grain_dataset_resumed_within_an_epoch_with_another_seed_is_refused():
     edge = {**within, "step": 0, "source": {"next_index": 6}, "epoch": 1}  # an epoch's start
     with sinkax.data_sink(collect_index, indexed_map_dataset(24, 4, seed=2), 4, data_state=edge):
         pass  # a new epoch in another order repeats and skips nothing: allowed
+
+
+def test_a_grain_dataset_that_draws_without_a_seed_resumes_within_an_epoch():
+    noisy = grain.MapDataset.range(24).batch(4).map(lambda ids: {"x": ids + np.random.rand(4)})
+    with sinkax.data_sink(lambda b: b["x"], noisy, 2) as sink:
+        sink()
+        within = sink.data_state()  # its first batch will not read alike again: not refused
+    with sinkax.data_sink(lambda b: b["x"], noisy, 2, data_state=within) as resumed:
+        assert np.floor(resumed()).tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+        assert "fingerprint" in resumed.data_state()["source"]
 
 
 def test_a_saved_dict_is_a_copy():
