@@ -125,6 +125,24 @@ def test_a_grain_dataset_that_draws_without_a_seed_resumes_within_an_epoch():
         assert "fingerprint" in resumed.data_state()["source"]
 
 
+def test_a_grain_iterator_state_with_tuples_survives_json():
+    # a packing iterator keeps tuples in its state, which JSON alone makes lists of
+    from grain.experimental import ConcatThenSplitIterDataset
+
+    def packed():
+        rows = grain.MapDataset.range(40).map(lambda i: {"i": np.full((3,), i, np.int32)})
+        return ConcatThenSplitIterDataset(rows.to_iter_dataset(), length_struct={"i": 4})
+
+    step = lambda batch: batch["i"]  # noqa: E731
+    for steps in (1, 2):  # the first packed batch ends inside an element: a remainder kept
+        with sinkax.data_sink(step, packed(), steps) as sink:
+            sink()
+            saved = json.loads(json.dumps(sink.data_state()))
+            expected = sink().tolist()
+        with sinkax.data_sink(step, packed(), steps, data_state=saved) as resumed:
+            assert resumed().tolist() == expected
+
+
 def test_a_saved_dict_is_a_copy():
     with sinkax.data_sink(collect_index, SIX, 2) as sink:
         sink(jnp.int32(0))

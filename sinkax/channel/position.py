@@ -35,6 +35,7 @@ RECORDED = ("scan", "loop")  # the choices of "auto", which a data position reco
 
 _REQUIRED = ("epoch", "step", "source")
 _FIELDS = (*_REQUIRED, "epoch_length", "strategy", "call_steps", "call_granule")
+_TUPLE = "__tuple__"  # a tuple in a source's state, as JSON keeps it
 
 
 def _is_int(value: Any, least: int) -> bool:
@@ -115,13 +116,14 @@ class DataPosition:
                 f"data_state has unknown key(s) {unknown}; a Sink.data_state() has {_FIELDS}."
             )
         values = {k: data[k] for k in _FIELDS if k in _REQUIRED or data.get(k) is not None}
-        return cls(**values)
+        return cls(**{**values, "source": _decoded(values["source"])})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly: ``{"epoch", "step", "source"}``, and ``"epoch_length"``,
         ``"strategy"``, ``"call_steps"`` and ``"call_granule"`` when known. A copy: changing it
-        changes no sink."""
-        data = {"epoch": int(self.epoch), "step": int(self.step), "source": dict(self.source)}
+        changes no sink. Tuples in the source's state (a grain iterator's) are written as
+        ``{"__tuple__": [...]}``, which JSON keeps and :meth:`from_dict` reads back as tuples."""
+        data = {"epoch": int(self.epoch), "step": int(self.step), "source": _encoded(self.source)}
         if self.epoch_length is not None:
             data["epoch_length"] = int(self.epoch_length)
         if self.strategy is not None:
@@ -140,6 +142,28 @@ class DataPosition:
     def recording(self, strategy: str | None) -> DataPosition:
         """This position with ``strategy`` recorded (``None`` keeps what it had)."""
         return self if strategy is None else dataclasses.replace(self, strategy=strategy)
+
+
+def _encoded(value: Any) -> Any:
+    """``value`` with each tuple as ``{"__tuple__": [...]}``: a JSON round trip keeps it."""
+    if isinstance(value, tuple):
+        return {_TUPLE: [_encoded(item) for item in value]}
+    if isinstance(value, list):
+        return [_encoded(item) for item in value]
+    if isinstance(value, Mapping):
+        return {key: _encoded(item) for key, item in value.items()}
+    return value
+
+
+def _decoded(value: Any) -> Any:
+    """The inverse of :func:`_encoded`."""
+    if isinstance(value, Mapping):
+        if value.keys() == {_TUPLE}:
+            return tuple(_decoded(item) for item in value[_TUPLE])
+        return {key: _decoded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_decoded(item) for item in value]
+    return value
 
 
 def check_fits(source: Source, data: DataPosition) -> None:
