@@ -153,3 +153,21 @@ def _check_fits_32_bits(leaf: np.ndarray, path: str, where: object) -> None:
             "jax_enable_x64, and would wrap. Enable it (jax.config.update('jax_enable_x64', "
             "True)) or map the values into 32 bits in the pipeline."
         )
+
+
+def widened(short: BatchSpec, batch: Any, where: object) -> BatchSpec:
+    """The spec of ``batch``, the first batch after one of ``short``, an epoch's last batch that
+    may have had fewer rows (``ragged_last``): ``BatchSpecError`` unless ``short`` is ``batch``'s
+    layout but, maybe, for fewer rows.
+
+    >>> widened(BatchSpec.of({"x": np.zeros(2)}), {"x": np.zeros(3)}, "step 1").shapes
+    ((3,),)
+    """
+    spec = BatchSpec.of(batch)
+    alike = spec.treedef == short.treedef and spec.dtypes == short.dtypes
+    if not alike or any(
+        s != full and not _fewer_rows(s, full)
+        for s, full in zip(short.shapes, spec.shapes, strict=True)
+    ):
+        check(short, batch, where)  # names the leaf that differs
+    return spec

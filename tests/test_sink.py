@@ -1283,10 +1283,22 @@ def test_ragged_last_resumes_at_the_short_batch_and_goes_on_past_it(batches):
         sink(sinkax.pytree.copy_tree(state))  # past it, then back (a rewind in the same sink)
         sink.restore_data_state(saved)
         rewound = run_calls(sink, sinkax.pytree.copy_tree(at_short), 5)
+    resumed, positions = [], []
     with sinkax.data_sink(train_step, ragged, 1, data_state=saved, **options) as sink:
-        resumed = run_calls(sink, at_short, 5)
+        state = at_short
+        for _ in range(5):
+            state, loss = sink(state)
+            resumed.append(float(loss[0]))
+            positions.append((sink.epoch, sink.step))
+    assert positions == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]  # past the short batch only
     np.testing.assert_allclose(rewound, expected, rtol=1e-5)
     np.testing.assert_allclose(resumed, expected, rtol=1e-5)
+    one_batch = ragged[3:]  # every batch ends its epoch
+    with sinkax.data_sink(train_step, one_batch, 1, **options) as sink:
+        state = init_state()
+        for epoch in range(1, 4):
+            state, _ = sink(state)
+            assert (sink.epoch, sink.step) == (epoch, 0)
 
 
 def run_calls(sink, state, calls):

@@ -21,6 +21,11 @@ MIN_CHUNK_STEPS = 64
 MIN_CHUNK_BYTES = 8 << 20  # a chunk this large moves at the link's full rate: group no further
 
 
+def steps_of(layout: Layout) -> int:
+    """The steps of a chunk of ``layout``."""
+    return sum(steps for steps, _ in layout)
+
+
 def call_sizes(
     sink_size: int | Callable[[], int],
     epoch_length: int | None,

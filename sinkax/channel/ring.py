@@ -39,10 +39,10 @@ import numpy as np
 from sinkax import affinity
 from sinkax.channel.chunk import ChannelStats, Chunk, Closed, Failure, Piece
 from sinkax.channel.packers import Build, Packer
-from sinkax.channel.plan import Layout, Plan
+from sinkax.channel.plan import Layout, Plan, steps_of
 from sinkax.channel.source import Source
 from sinkax.errors import SinkClosedError, SinkExhaustedError, SinkTimeoutError
-from sinkax.spec import BatchSpec, check
+from sinkax.spec import BatchSpec, check, widened
 
 CUT_AFTER_S = 0.02  # a consumer waits this long for a whole chunk before it takes a part
 
@@ -109,18 +109,18 @@ class DeviceRing:
 
     def _run_producer(self) -> None:
         try:
-            start, read = self._source.position, [self._read()]
-            if self.packer.ragged_last and start.step + 1 == self._source.epoch_length:
-                read.append(self._read())  # the first, an epoch's last, may be short: the next
-            spec = BatchSpec.of(read[-1])  # batch gives the layout
+            start, first = self._source.position, self._read()
+            spec = BatchSpec.of(first)
             self.packer.check(spec)  # that it splits over the devices as the sharding asks
             self.spec = spec
             self._spec_known = True
             self._spec_pending.release()
-            pending = [_Row(check(spec, batch, start, len(read) > 1)) for batch in read]
+            pending = [_Row(check(spec, first, start))]  # checked here, at its position
+            # ragged_last: an epoch's last batch may be short, the next full one then sets it
+            self._short = self.packer.ragged_last and start.step + 1 == self._source.epoch_length
             layouts = self._plan(self.spec, start)
             head = list(itertools.islice(layouts, 3))
-            capacity = max(map(_steps, head), default=0)  # later layouts are alike
+            capacity = max(map(steps_of, head), default=0)  # later layouts are alike
             layouts = itertools.chain(head, layouts)
             leftover: Layout = []
             while True:
@@ -130,8 +130,8 @@ class DeviceRing:
                 staging = self._acquire_slot()
                 if staging is None:
                     return
-                if self.packer.staged and (not staging or len(staging[0]) < _steps(layout)):
-                    capacity = max(capacity, _steps(layout))
+                if self.packer.staged and (not staging or len(staging[0]) < steps_of(layout)):
+                    capacity = max(capacity, steps_of(layout))
                     staging = self.packer.allocate(self.spec, capacity)
                 leftover, pending = self._build(layout, pending, staging)
         except _Stopped:
@@ -192,6 +192,9 @@ class DeviceRing:
                     where = self._source.position
                     batch = pending.popleft() if pending else self._read()
                     last = self.packer.ragged_last and where.step + 1 == self._source.epoch_length
+                    if self._short and not (last or isinstance(batch, _Row)):
+                        spec = self.spec = widened(spec, batch, where)
+                        self._short = False
                     leaves = (
                         batch.leaves if isinstance(batch, _Row) else check(spec, batch, where, last)
                     )
@@ -333,10 +336,6 @@ def _held_lock() -> threading.Lock:
     lock = threading.Lock()
     lock.acquire()
     return lock
-
-
-def _steps(layout: Layout) -> int:
-    return sum(steps for steps, _ in layout)
 
 
 class _Stopped(Exception):
