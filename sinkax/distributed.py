@@ -42,6 +42,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from sinkax import compat, peers
+from sinkax.channel.replay import FIRST_BATCH
 from sinkax.peers import PeerError, PeerTimeoutError
 
 __all__ = [
@@ -209,7 +210,7 @@ def own_position(saved: dict[str, Any]) -> dict[str, Any]:
     return shared[0]
 
 
-_PER_PROCESS = ("fingerprint", "iterator", "iterator_base64")  # of one process's own batches
+_PER_PROCESS = ("fingerprint", FIRST_BATCH, "iterator", "iterator_base64")  # its own batches
 
 
 def _global_position(position: dict[str, Any]) -> dict[str, Any]:

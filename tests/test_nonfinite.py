@@ -4,6 +4,7 @@ import contextlib
 import functools
 import itertools
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,3 +190,27 @@ def test_ctrl_c_anywhere_in_a_stopping_call_loses_and_repeats_no_batch():
         assert seen == [[2 * i, 2 * i + 1] for i in range(6)], f"Ctrl-C at check {k}"
         if next(checks) <= k:  # the call passed fewer checks: each one has had its Ctrl-C
             break
+
+
+def test_a_stop_moves_a_grain_dataset_back_without_checking_it_is_the_same_dataset():
+    # its batches read differently once read (as a map drawing without a seed may): a position
+    # the sink recorded itself is this dataset's, and moving back to it reads nothing to check
+    read = set()
+
+    def changing(batch):
+        first = int(batch[0]) not in read
+        read.add(int(batch[0]))
+        return {"x": batch.astype(np.float32) + (0 if first else 100)}
+
+    dataset = grain.MapDataset.range(12).batch(4).map(changing)
+
+    def step(total, batch):  # the batch of 8..11 is not finite the first time it is read
+        bad = batch["x"][0] == 8
+        return total + 1, {"loss": jnp.where(bad, jnp.nan, batch["x"][0])}
+
+    with sinkax.data_sink(step, dataset, 2, stop_if_nonfinite="loss", strategy="scan") as sink:
+        total, _ = sink(jnp.int32(0))  # batches 0, 1
+        total, outs = sink(total)  # stops at batch 2: moved back to it
+        assert sink.nonfinite is not None and (sink.epoch, sink.step) == (0, 2)
+        total, outs = sink(total)  # batch 2 again (read anew: finite), then the next epoch's
+    assert outs["loss"].tolist() == [108.0, 100.0]

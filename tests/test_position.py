@@ -87,7 +87,7 @@ def test_a_position_survives_json_and_older_dicts_still_load():
     assert DataPosition.from_dict(saved) == position
     # "strategy" too if "auto" reused a choice made for collect_index by an earlier sink
     assert position.strategy == saved.pop("strategy", None)
-    assert saved.pop("source").keys() == {"next_index", "fingerprint"}  # within an epoch
+    assert saved.pop("source").keys() == {"next_index", "first_batch"}  # within an epoch
     assert saved == {"epoch": 0, "step": 4, "epoch_length": 6}
     older = {"epoch": 0, "step": 4, "source": {"next_index": 4}}  # saved before both
     assert DataPosition.from_dict(older).epoch_length is None
@@ -122,7 +122,7 @@ def test_a_grain_dataset_that_draws_without_a_seed_resumes_within_an_epoch():
         within = sink.data_state()  # its first batch will not read alike again: not refused
     with sinkax.data_sink(lambda b: b["x"], noisy, 2, data_state=within) as resumed:
         assert np.floor(resumed()).tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
-        assert "fingerprint" in resumed.data_state()["source"]
+        assert "first_batch" in resumed.data_state()["source"]
 
 
 def test_a_grain_iterator_state_with_tuples_survives_json():

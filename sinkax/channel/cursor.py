@@ -139,7 +139,7 @@ class Cursor:
     def resync(self) -> None:
         """Rewind to the committed position if an interrupted call took data it never delivered."""
         if self._resync:
-            self.rewind(self._committed)
+            self.rewind(self._committed, own=True)
 
     def begin(self) -> None:
         """A call starts (its time, less its wait for data, is the sink's busy time)."""
@@ -210,7 +210,7 @@ class Cursor:
                 messages.stuck_producer(self.timeout, "a stop at a non-finite step")
                 + " Call again once it has returned (the call's batches are read again)."
             )
-        move_to(self._source, start)
+        move_to(self._source, start, own=True)
         for _ in range(kept):
             next(self._source)
         self._count_call()
@@ -305,11 +305,11 @@ class Cursor:
         self._finalizer.detach()
         return self._ring.close(self.timeout)
 
-    def rewind(self, state: DataPosition) -> None:
-        """Continue from the position ``state`` (see ``Sink.data_state``); drops the prefetched
-        chunks. ``ValueError`` if it does not fit the dataset (the cursor then stays where it
-        was); if interrupted, the next :meth:`resync` finishes the rewind to the committed
-        position."""
+    def rewind(self, state: DataPosition, own: bool = False) -> None:
+        """Continue from the position ``state`` (see ``Sink.data_state``; ``own``: one this
+        cursor recorded); drops the prefetched chunks. ``ValueError`` if it does not fit the
+        dataset (the cursor then stays where it was); if interrupted, the next :meth:`resync`
+        finishes the rewind to the committed position."""
         check_fits(self._source, state)  # before the producer stops: a one-shot
         # iterator's producer cannot be restarted where it was
         self._resync = True  # until a producer runs from `_committed` again
@@ -319,7 +319,7 @@ class Cursor:
                 + " Call again once it has returned, or create a new sink."
             )
         try:
-            move_to(self._source, state)
+            move_to(self._source, state, own)
             if self.sizer:
                 self.sizer.restore(state)
         except ValueError:  # the cursor stays where it was, its producer running

@@ -28,7 +28,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from sinkax.channel.replay import ReplayDiffersError
+from sinkax.channel.replay import FIRST_BATCH, ReplayDiffersError
 from sinkax.channel.source import Position, Source
 
 RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
@@ -198,16 +198,17 @@ def _length_error(data: DataPosition, saved: str, length: int | None) -> ValueEr
     )
 
 
-def move_to(source: Source, data: DataPosition) -> None:
+def move_to(source: Source, data: DataPosition, own: bool = False) -> None:
     """Set ``source`` to the position ``data``; ``ValueError`` if it does not fit, such as one
     saved over a dataset of another epoch length (the source is then left where the state put
-    it: restore it)."""
+    it: restore it). ``own``: a position ``source`` itself recorded, which needs no check that
+    it is this dataset's (:data:`~sinkax.channel.replay.FIRST_BATCH`)."""
     check_fits(source, data)
     if not source.rereadable:  # a one-shot iterator at `data` already (see check_fits)
         return
     differs = None  # raised once the length is known to fit: that would be the cause first
     try:
-        source.set_state(dict(data.source))
+        source.set_state({k: v for k, v in data.source.items() if not own or k != FIRST_BATCH})
     except ReplayDiffersError as error:  # says what is wrong and what to do itself
         differs = error
     except Exception as error:

@@ -13,6 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
+# A grain MapDataset's state key: the fingerprint of its epoch's first batch, which tells only
+# whether a position is this dataset's (positions it records itself need no check)
+FIRST_BATCH = "first_batch"
+
 
 def fingerprint(batch: Any) -> str:
     """A short hash of ``batch``: its leaves' shapes, dtypes and up to ~256 evenly spaced values

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import grain
 from grain.experimental import get_next_index
 
-from sinkax.channel.replay import ReplayDiffersError, fingerprint
+from sinkax.channel.replay import FIRST_BATCH, ReplayDiffersError, fingerprint
 from sinkax.errors import warn
 
 
@@ -128,11 +128,12 @@ class MapDatasetSource:
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        """``{"next_index"}``, and within an epoch the ``"fingerprint"`` of its first batch: a
-        resume checks it (another shuffle seed, other data: refused, see :meth:`set_state`)."""
+        """``{"next_index"}``, and within an epoch the fingerprint of its first batch (under
+        :data:`~sinkax.channel.replay.FIRST_BATCH`): a resume checks it (another shuffle seed,
+        other data: refused, see :meth:`set_state`)."""
         state: dict[str, Any] = {"next_index": self._next_index}
         if self._first and self.position.step:
-            state["fingerprint"] = self._first
+            state[FIRST_BATCH] = self._first
         return state
 
     def check_state(self, state: Any) -> None:
@@ -144,22 +145,24 @@ class MapDatasetSource:
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        index, saved = state["next_index"], state.get("fingerprint")
+        index, saved = state["next_index"], state.get(FIRST_BATCH)
         self.close()
         self._iterator = iter(self._iterable)
         self._iterator.set_state({"next_index": index})
-        self._next_index, self._first = index, None
+        self._next_index = index
         step = self.position.step
-        if saved and step:  # the epoch's first batch, read again: the same as the saved run's?
-            first, self._first = fingerprint(self._dataset[index - step]), saved
-            # (unless a second read differs too: a map that draws without a seed)
-            if first != saved and first == fingerprint(self._dataset[index - step]):
+        start, self._first = index - step, saved if step else None
+        # The epoch's first batch, read again, must be the one the saved run read (unless a
+        # second read differs too: a map that draws without a seed).
+        if saved and step:
+            first = fingerprint(self._dataset[start])
+            if first != saved and first == fingerprint(self._dataset[start]):
                 raise ReplayDiffersError(
                     f"This epoch ({self.position.epoch}) of the dataset begins with another batch "
                     "than the saved run's did: its order or contents differ (another shuffle "
                     "seed, other data), so resuming within the epoch would repeat some examples "
                     "and skip others. Resume with the dataset the state was saved with (its seed "
-                    "too), or, to resume inexactly anyway, delete the 'fingerprint' key from "
+                    f"too), or, to resume inexactly anyway, delete the {FIRST_BATCH!r} key from "
                     "the saved state's 'source'."
                 )
 
