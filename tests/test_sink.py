@@ -785,12 +785,13 @@ def test_a_sink_nobody_closed_stops_its_producer_when_collected(batches):
 
 @pytest.mark.parametrize("calls_after", [0, 2])
 def test_a_sink_nobody_closed_whose_dataset_failed_is_collected(batches, calls_after):
-    class Fails(KeyError):  # raised by the dataset: the ring keeps it for every later call
-        pass
+    class Fails(Exception):  # raised by the dataset: the ring keeps it for every later call
+        def __init__(self, name):
+            super().__init__(f"bad record {name}")
 
     def failing():
         yield from batches[:4]
-        raise Fails("a bad record")
+        raise Fails("7")
 
     class Dataset:
         def __iter__(self):
@@ -800,8 +801,10 @@ def test_a_sink_nobody_closed_whose_dataset_failed_is_collected(batches, calls_a
     sink = sinkax.data_sink(train_step, Dataset(), 3)
     state, _ = sink(init_state())
     for _ in range(1 + calls_after):  # each raise's traceback holds the sink's frame
-        with pytest.raises(Fails):
+        with pytest.raises(Fails) as error:
             state, _ = sink(state)
+        assert str(error.value) == "bad record 7"  # as raised: not made again
+    del error  # (its traceback holds the sink, as the caller's would while it keeps it)
     assert producers_left(before) == []  # (a live producer would hold its ring)
     collected = weakref.ref(sink)
     del sink

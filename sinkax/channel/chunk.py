@@ -8,7 +8,6 @@ an exact position after every call.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -36,22 +35,13 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """The producer's error, handed out in place of a chunk: raised in the consumer -- a copy
-    of it, where it can be copied. The consumer's frames that a raised error's traceback
-    collects (holding the sink) must not stay reachable from the ring, which a finalizer holds
-    until the sink is collected: the sink never would be."""
+    """The producer's error, handed out in place of a chunk: raised in the consumer."""
 
     error: BaseException
     traceback: Any  # as the producer caught it: each re-raise starts from it again
 
     def reraise(self) -> None:
-        try:
-            error = copy.copy(self.error)
-        except Exception:  # (an exception whose __init__ takes other arguments than its args)
-            error = self.error
-        error.__cause__, error.__context__ = self.error.__cause__, self.error.__context__
-        error.__suppress_context__ = self.error.__suppress_context__
-        raise error.with_traceback(self.traceback)
+        raise self.error.with_traceback(self.traceback)
 
 
 class Closed:

@@ -113,9 +113,7 @@ class Cursor:
         """Steps the current (or last) call kept."""
         return self._call_steps
 
-    @property
-    def ring(self) -> DeviceRing:
-        return self._ring
+    ring = property(lambda self: self._ring, doc="The ring that reads ahead.")
 
     def counts(self) -> dict[str, Any]:
         """The data side of ``Sink.stats``."""
@@ -294,7 +292,8 @@ class Cursor:
                 prefetch=self.prefetch,
                 packer=self._packer,
             )
-            self._finalizer = weakref.finalize(self, self._ring.close, self.timeout)
+            ring = weakref.ref(self._ring)  # not kept alive by it: an error it holds may
+            self._finalizer = weakref.finalize(self, _close, ring, self.timeout)  # hold us
         if self._closed:  # meanwhile, from another thread: it closed the ring before this one
             self._ring.close(self.timeout)
 
@@ -343,3 +342,9 @@ class Cursor:
             self._ring.close(self.timeout)
         elif not self._stop_ring():
             warn(messages.stuck_producer(self.timeout, "close()"), RuntimeWarning)
+
+
+def _close(ring: weakref.ref[DeviceRing], timeout: float) -> None:
+    """Close the ring, if it still lives (its producer thread keeps it while it runs)."""
+    if (live := ring()) is not None:
+        live.close(timeout)
