@@ -111,20 +111,24 @@ def test_a_flax_train_state_with_a_dropout_key_matches_a_plain_loop(sink_options
     assert int(state.step) == 3 * sink_size
 
 
-def test_a_learning_rate_set_in_place_on_the_returned_state_is_used(sink_options, monkeypatch):
+@pytest.mark.parametrize("flag", [None, True], ids=["arrays", "with-a-python-flag"])
+def test_a_learning_rate_set_in_place_on_the_returned_state_is_used(
+    sink_options, monkeypatch, flag
+):
     # optax's way to change a learning rate: assign it in the state's hyperparams, here as a
-    # Python number, between calls (auto still measuring: trials longer than the run)
+    # Python number, between calls (auto still measuring: trials longer than the run); a
+    # Python flag in the state is compiled in: the state returned is rebuilt around it
     monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 1e6)
     optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
 
     def step(state, batch):
-        params, opt = state
+        params, opt, flag = state
         grads = jax.grad(lambda p: jnp.sum((p * batch) ** 2))(params)
         updates, opt = optimizer.update(grads, opt, params)
-        return (optax.apply_updates(params, updates), opt), params.sum()
+        return (optax.apply_updates(params, updates), opt, flag), params.sum()
 
     def run(call):
-        state = (jnp.ones(3), optimizer.init(jnp.ones(3)))
+        state = (jnp.ones(3), optimizer.init(jnp.ones(3)), flag)
         for i, lr in enumerate([None, 0.05, 1]):  # a float, then an int
             if lr is not None:
                 state[1].hyperparams["learning_rate"] = lr

@@ -87,7 +87,7 @@ class Executor:
         self._stateful: bool | None = None
         self._static: Static | None = None  # the state's non-array leaves, from the first call
         self._returned: Any = None  # the state the last call returned (its array part)
-        # the last returned state, its array part, and that part's leaves as returned
+        # the last returned state, its array part, and its leaves as returned
         self._handed_back: Any = (None, None, [])
         self._watch = watcher(config.stop_if_nonfinite)  # None: the plain step
         self._carry: Any = None  # guarded: the last call's carry, its `ok` flag included
@@ -205,7 +205,7 @@ class Executor:
         and typed again, as a new state is."""
         handed_back, arrays, leaves = self._handed_back
         if state is handed_back:
-            now = jax.tree.leaves(arrays)
+            now = jax.tree.leaves(state)
             if len(now) == len(leaves) and all(map(operator.is_, now, leaves)):
                 return arrays, self._static
             self._returned, self._handed_back = None, (None, None, [])
@@ -288,7 +288,7 @@ class Executor:
             carry = carry[0]
         self._returned = carry
         returned = carry if static is None else static.combine(carry)
-        self._handed_back = (returned, carry, jax.tree.leaves(carry))
+        self._handed_back = (returned, carry, jax.tree.leaves(returned))
         return returned
 
     def lower(self, state: Any, spec: BatchSpec, steps: int) -> jax.stages.Lowered:
