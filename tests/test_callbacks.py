@@ -4,6 +4,7 @@ import io
 import os
 import re
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -141,6 +142,20 @@ def test_mindspore_hook_names_warn_that_sinkax_never_calls_them():
         class Legacy(Callback):
             def step_begin(self, run_context):
                 pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # names of its own: a field, an alias, a helper
+
+        class Window(Callback):
+            begin, end = 0, 100
+
+            def on_epoch_end(self, run):
+                pass
+
+            epoch_end = on_epoch_end
+
+            def step_end(self):
+                return self.end
 
 
 def test_model_checkpoint_keeps_the_last_n_every_m_epochs(tmp_path):

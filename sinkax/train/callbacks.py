@@ -13,6 +13,7 @@ every step's loss of that sink; in non-sink mode it runs after every step with o
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -42,6 +43,9 @@ _MINDSPORE_HOOKS = {
     "step_end": "on_step_end",
     "end": "on_train_end",
 }
+
+
+_HOOKS = ("on_train_begin", "on_epoch_begin", "on_step_end", "on_epoch_end", "on_train_end")
 
 
 @dataclasses.dataclass
@@ -113,7 +117,7 @@ class Callback:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in sorted(set(vars(cls)) & _MINDSPORE_HOOKS.keys()):
+        for name in sorted(filter(cls._ported, set(vars(cls)) & _MINDSPORE_HOOKS.keys())):
             ours, where = _MINDSPORE_HOOKS[name], f"{cls.__name__}.{name}"
             warn(
                 f"{where} is MindSpore's name for the hook sinkax calls {ours}; sinkax never "
@@ -123,6 +127,16 @@ class Callback:
                 f"sink runs its steps on the device); sinkax never calls {name}: use "
                 "on_step_end, after each sink."
             )
+
+    @classmethod
+    def _ported(cls, name: str) -> bool:
+        """Whether ``cls.name`` reads as a hook ported from MindSpore: a method taking the run
+        context, not an alias of a sinkax hook, a data field or a helper of its own."""
+        method = vars(cls)[name]
+        if not inspect.isfunction(method) or method in (vars(cls).get(h) for h in _HOOKS):
+            return False
+        kinds = [p.kind for p in inspect.signature(method).parameters.values()]
+        return kinds == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2  # (self, run_context)
 
     def __enter__(self) -> Callback:
         return self
