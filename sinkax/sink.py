@@ -59,7 +59,7 @@ class Sink:
         data_state: DataPosition | dict[str, Any] | None = None,
         **options: Any,
     ):
-        self.config = config = SinkConfig.of(sink_size, **options)
+        self.config = config = SinkConfig.of(sink_size, **known_options(options))
         self.fn, self.sink_size = fn, config.sink_size
         source = as_source(dataset, read_options)
         # before the producer starts: its first transfers are this sink's
@@ -347,4 +347,4 @@ def data_sink(
     >>> int(n), outs.tolist(), more.tolist(), sink.data_state()["epoch"]
     (4, [0.0, 2.0], [4.0, 0.0], 1)
     """
-    return Sink(fn, dataset, sink_size, **context.sink_options(known_options(options)))
+    return Sink(fn, dataset, sink_size, **context.sink_options(options))

@@ -432,6 +432,11 @@ def test_a_misspelled_option_is_named_with_the_closest_one(batches):
         sinkax.data_sink(train_step, batches, 2, prefech=2)
     with pytest.raises(TypeError, match=r"no option 'enable_profiling'\. Its options: .*timeout"):
         sinkax.data_sink(train_step, batches, 2, enable_profiling=True)
+    with pytest.raises(TypeError, match=r"no option 'prefech' \(did you mean 'prefetch'\?\)"):
+        helper = sinkax.DatasetHelper(batches, dataset_sink_mode=False, prefech=2)  # non-sink
+        net = sinkax.connect_network_with_dataset(train_step, helper)
+        for _ in helper:  # (its sinks are made as it goes)
+            net(init_state())
 
 
 def test_a_dataset_error_reaches_the_caller_with_its_traceback(batches):
