@@ -237,6 +237,9 @@ def test_a_ragged_last_eval_batch_is_named_with_the_padding_fix_before_training(
     assert epochs.ended == [] and int(model.state.step) == 0
     padded = [pad_batch(batch, 16) for batch in ragged]
     assert model.eval(padded) == pytest.approx(model.eval(ragged, dataset_sink_mode=False))
+    filtered = grain.MapDataset.source(data).filter(lambda batch: batch is not data[2])
+    with pytest.raises(ValueError, match="it filters"):  # the sink's words, not an IndexError
+        model.eval(filtered)
 
 
 def test_non_sink_mode_trains_on_a_smaller_last_batch_as_a_plain_loop_does():

@@ -92,6 +92,8 @@ def check_last_batch(dataset: Any) -> None:
     if not isinstance(dataset, Sequence | grain.MapDataset) or len(dataset) < 2:
         return
     first, last = (jax.tree.leaves(dataset[i]) for i in (0, len(dataset) - 1))
+    if not (first and last):  # (a filtered-out element: the sink says what to do)
+        return
     rows = [np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in (first[0], last[0])]
     if None not in rows and rows[1] < rows[0]:
         raise ValueError(
