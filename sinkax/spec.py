@@ -164,10 +164,15 @@ def widened(short: BatchSpec, batch: Any, where: object) -> BatchSpec:
     ((3,),)
     """
     spec = BatchSpec.of(batch)
-    alike = spec.treedef == short.treedef and spec.dtypes == short.dtypes
-    if not alike or any(
-        s != full and not _fewer_rows(s, full)
-        for s, full in zip(short.shapes, spec.shapes, strict=True)
-    ):
-        check(short, batch, where)  # names the leaf that differs
+    if spec.treedef != short.treedef:
+        check(short, batch, where)  # names the structures
+    leaves = zip(short.paths, short.shapes, short.dtypes, spec.shapes, spec.dtypes, strict=True)
+    for path, shape, dtype, full, full_dtype in leaves:
+        if dtype != full_dtype or not (shape == full or _fewer_rows(shape, full)):
+            rows = ", ".join(["n", *map(str, shape[1:])]) + ("," if len(shape) < 2 else "")
+            raise BatchSpecError(
+                f"Batch at {where}, leaf {path}: expected shape ({rows}) with n >= "
+                f"{shape[0] if shape else 1} and dtype {dtype} (the epoch's last batch before it "
+                f"had shape {shape}), got shape {full} dtype {full_dtype}. {_FIX}"
+            )
     return spec

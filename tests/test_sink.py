@@ -1309,6 +1309,29 @@ def test_ragged_last_resumes_at_the_short_batch_and_goes_on_past_it(batches):
             assert (sink.epoch, sink.step) == (epoch, 0)
 
 
+def test_ragged_last_resumed_at_the_short_batch_plans_chunks_by_a_full_batch(
+    batches, monkeypatch
+):
+    ragged = [*batches[:3], {k: v[:1] for k, v in batches[3].items()}]
+    full = sinkax.spec.BatchSpec.of(batches[0]).nbytes
+    steps = []  # of each chunk packed
+    pack = sinkax.channel.packers.Unstacked.pack
+    monkeypatch.setattr(
+        sinkax.channel.packers.Unstacked,
+        "pack",
+        lambda self, build, spec, n: steps.append(n) or pack(self, build, spec, n),
+    )
+    options = {"strategy": "step", "ragged_last": True, "max_chunk_bytes": 2 * full}
+    start = {"epoch": 0, "step": 3, "source": {"epoch": 0, "step": 3}}  # at the short batch
+    with sinkax.data_sink(train_step, ragged, 1, data_state=start, **options) as sink:
+        state = init_state()
+        for _ in range(6):
+            state, _ = sink(state)
+        assert sink.lower(state)  # lowered for a full batch: its layout known from the start
+        spec = sink._cursor.first_spec()
+    assert spec.nbytes == full and max(steps) <= 2  # not 8 short batches' worth a chunk
+
+
 def run_calls(sink, state, calls):
     """The first loss of each of ``calls`` calls of ``sink`` from ``state``."""
     losses = []

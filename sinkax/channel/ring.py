@@ -45,6 +45,7 @@ from sinkax.errors import SinkClosedError, SinkExhaustedError, SinkTimeoutError
 from sinkax.spec import BatchSpec, check, widened
 
 CUT_AFTER_S = 0.02  # a consumer waits this long for a whole chunk before it takes a part
+_Item = tuple[Chunk, list[np.ndarray]] | Failure | Closed  # what the consumer is handed
 
 
 class DeviceRing:
@@ -75,18 +76,16 @@ class DeviceRing:
         self._taken = self._released = 0  # slots: one writer each, so the consumer takes no lock
         self._lock = threading.Lock()  # the chunk being built, the stats
         self._building: Build | None = None
-        self._ready: queue.SimpleQueue[tuple[Chunk, list[np.ndarray]] | Failure | Closed] = (
-            queue.SimpleQueue()
-        )
+        self._ready: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         # No Event or Condition on the consumer side: their Python code, interrupted by a Ctrl-C,
         # can leave their lock released under the producer ('release unlocked lock'). A flag
         # plus a plain lock (C code) held until the flag is set serve instead; the flag is the
         # truth, the lock only a way to wait for it.
         self._stopped = False
         self._spec_known = False  # `spec`, or a failure, is ready
-        self._spec_pending = _held_lock()
+        self._spec_pending, self._running = threading.Lock(), threading.Lock()  # held until
+        self._spec_pending.acquire(), self._running.acquire()  # the spec is known, it ended
         self._ended = False  # the producer has closed the source and ends
-        self._running = _held_lock()
         self._consumer_waiting = False
         self.last_progress = time.monotonic()  # when the producer last read a batch
         self.spec: BatchSpec | None = None
@@ -111,13 +110,13 @@ class DeviceRing:
         try:
             start, first = self._source.position, self._read()
             spec = BatchSpec.of(first)
+            if self.packer.ragged_last and self._source.position.step == 0 < start.step:
+                spec = self._layout_after(spec)  # the first, an epoch's last, may be short
             self.packer.check(spec)  # that it splits over the devices as the sharding asks
             self.spec = spec
             self._spec_known = True
             self._spec_pending.release()
-            pending = [_Row(check(spec, first, start))]  # checked here, at its position
-            # ragged_last: an epoch's last batch may be short, the next full one then sets it
-            self._short = self.packer.ragged_last and start.step + 1 == self._source.epoch_length
+            pending = [_Row(check(spec, first, start, smaller=True))]  # (if an epoch's last)
             layouts = self._plan(self.spec, start)
             head = list(itertools.islice(layouts, 3))
             capacity = max(map(steps_of, head), default=0)  # later layouts are alike
@@ -141,6 +140,16 @@ class DeviceRing:
             if not self._spec_known:
                 self._spec_known = True
                 self._spec_pending.release()
+
+    def _layout_after(self, short: BatchSpec) -> BatchSpec:
+        """The layout of the next epoch's first batch, read, then read again (at an epoch's
+        start a rereadable source goes back for nothing); else ``short``'s, an epoch's last."""
+        if not self._source.rereadable:
+            return short
+        epoch_start, where = self._source.get_state(), self._source.position
+        full = widened(short, next(self._source), where)
+        self._source.set_state(epoch_start)
+        return full
 
     def _read(self) -> Any:
         batch = next(self._source)
@@ -192,9 +201,6 @@ class DeviceRing:
                     where = self._source.position
                     batch = pending.popleft() if pending else self._read()
                     last = self.packer.ragged_last and where.step + 1 == self._source.epoch_length
-                    if self._short and not (last or isinstance(batch, _Row)):
-                        spec = self.spec = widened(spec, batch, where)
-                        self._short = False
                     leaves = (
                         batch.leaves if isinstance(batch, _Row) else check(spec, batch, where, last)
                     )
@@ -330,12 +336,6 @@ class DeviceRing:
             self._ready.get_nowait()
         self._ready.put(Closed())
         return self._ended
-
-
-def _held_lock() -> threading.Lock:
-    lock = threading.Lock()
-    lock.acquire()
-    return lock
 
 
 class _Stopped(Exception):
