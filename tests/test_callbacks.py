@@ -143,6 +143,12 @@ def test_mindspore_hook_names_warn_that_sinkax_never_calls_them():
             def step_begin(self, run_context):
                 pass
 
+    with pytest.warns(UserWarning, match=r"Loose.step_end is MindSpore's name .* on_step_end"):
+
+        class Loose(Callback):
+            def step_end(self, *args):
+                pass
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # names of its own: a field, an alias, a helper
 
@@ -156,6 +162,9 @@ def test_mindspore_hook_names_warn_that_sinkax_never_calls_them():
 
             def step_end(self):
                 return self.end
+
+        class Inherited(Window):
+            end = Callback.on_train_end  # an alias of an inherited hook
 
 
 def test_model_checkpoint_keeps_the_last_n_every_m_epochs(tmp_path):

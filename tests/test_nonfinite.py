@@ -212,5 +212,6 @@ def test_a_stop_moves_a_grain_dataset_back_without_checking_it_is_the_same_datas
         total, _ = sink(jnp.int32(0))  # batches 0, 1
         total, outs = sink(total)  # stops at batch 2: moved back to it
         assert sink.nonfinite is not None and (sink.epoch, sink.step) == (0, 2)
+        assert "first_batch" in sink.data_state()["source"]  # a later resume is still checked
         total, outs = sink(total)  # batch 2 again (read anew: finite), then the next epoch's
     assert outs["loss"].tolist() == [108.0, 100.0]

@@ -324,7 +324,7 @@ class Cursor:
         except ValueError:  # the cursor stays where it was, its producer running
             if self._source.rereadable:  # (a one-shot iterator reads on as it is)
                 with contextlib.suppress(Exception):
-                    self._source.set_state(dict(self._committed.source))
+                    self._source.set_state(dict(self._committed.source), own=True)
             self._start_ring()
             self._resync = False
             raise

@@ -28,7 +28,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from sinkax.channel.replay import FIRST_BATCH, ReplayDiffersError
+from sinkax.channel.replay import ReplayDiffersError
 from sinkax.channel.source import Position, Source
 
 RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
@@ -208,7 +208,7 @@ def move_to(source: Source, data: DataPosition, own: bool = False) -> None:
         return
     differs = None  # raised once the length is known to fit: that would be the cause first
     try:
-        source.set_state({k: v for k, v in data.source.items() if not own or k != FIRST_BATCH})
+        source.set_state(dict(data.source), own)
     except ReplayDiffersError as error:  # says what is wrong and what to do itself
         differs = error
     except Exception as error:

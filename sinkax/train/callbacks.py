@@ -133,10 +133,13 @@ class Callback:
         """Whether ``cls.name`` reads as a hook ported from MindSpore: a method taking the run
         context, not an alias of a sinkax hook, a data field or a helper of its own."""
         method = vars(cls)[name]
-        if not inspect.isfunction(method) or method in (vars(cls).get(h) for h in _HOOKS):
+        if not inspect.isfunction(method) or method in (getattr(cls, h) for h in _HOOKS):
             return False
-        kinds = [p.kind for p in inspect.signature(method).parameters.values()]
-        return kinds == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2  # (self, run_context)
+        try:
+            inspect.signature(method).bind(cls, RunContext)  # called as (self, run_context)
+        except TypeError:
+            return False
+        return True
 
     def __enter__(self) -> Callback:
         return self
