@@ -1309,9 +1309,7 @@ def test_ragged_last_resumes_at_the_short_batch_and_goes_on_past_it(batches):
             assert (sink.epoch, sink.step) == (epoch, 0)
 
 
-def test_ragged_last_resumed_at_the_short_batch_plans_chunks_by_a_full_batch(
-    batches, monkeypatch
-):
+def test_ragged_last_resumed_at_the_short_batch_plans_chunks_by_a_full_batch(batches, monkeypatch):
     ragged = [*batches[:3], {k: v[:1] for k, v in batches[3].items()}]
     full = sinkax.spec.BatchSpec.of(batches[0]).nbytes
     steps = []  # of each chunk packed
