@@ -170,9 +170,10 @@ def widened(short: BatchSpec, batch: Any, where: object) -> BatchSpec:
     for path, shape, dtype, full, full_dtype in leaves:
         if dtype != full_dtype or not (shape == full or _fewer_rows(shape, full)):
             rows = ", ".join(["n", *map(str, shape[1:])]) + ("," if len(shape) < 2 else "")
+            expected = f"shape ({rows}) with n >= {shape[0]}" if shape else "shape ()"
             raise BatchSpecError(
-                f"Batch at {where}, leaf {path}: expected shape ({rows}) with n >= "
-                f"{shape[0] if shape else 1} and dtype {dtype} (the epoch's last batch before it "
-                f"had shape {shape}), got shape {full} dtype {full_dtype}. {_FIX}"
+                f"Batch at {where}, leaf {path}: expected {expected} and dtype {dtype} (the "
+                f"epoch's last batch before it had shape {shape}), got shape {full} dtype "
+                f"{full_dtype}. {_FIX}"
             )
     return spec

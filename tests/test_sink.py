@@ -1330,6 +1330,27 @@ def test_ragged_last_resumed_at_the_short_batch_plans_chunks_by_a_full_batch(bat
     assert spec.nbytes == full and max(steps) <= 2  # not 8 short batches' worth a chunk
 
 
+def test_ragged_last_resumed_at_the_short_batch_reads_nothing_past_its_calls(batches):
+    read = []  # a pass may differ from the last (a loader reshuffling per pass): none begun
+
+    class Logged:
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            read.append("pass")
+            for i, batch in enumerate([*batches[:3], {k: v[:5] for k, v in batches[3].items()}]):
+                read.append(i)
+                yield batch
+
+    start = {"epoch": 0, "step": 3, "source": {"epoch": 0, "step": 3}}  # at the short batch
+    options = {"strategy": "step", "ragged_last": True, "calls": 1}
+    with sinkax.data_sink(train_step, Logged(), 1, data_state=start, **options) as sink:
+        sink(init_state())
+        assert sink.data_state()["epoch"] == 1
+    assert read[-5:] == ["pass", 0, 1, 2, 3]  # the replay up to the short batch, nothing after
+
+
 def run_calls(sink, state, calls):
     """The first loss of each of ``calls`` calls of ``sink`` from ``state``."""
     losses = []

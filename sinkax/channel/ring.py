@@ -1,8 +1,8 @@
 """The data sink: a producer thread that fills a bounded ring of device-resident chunks.
 
 The producer pulls batches from a :class:`~sinkax.channel.source.Source`, checks each against
-the first batch's :class:`~sinkax.spec.BatchSpec` (``ragged_last``: the next one's, if the first
-ends an epoch), hands it to the ring's packer (:mod:`sinkax.channel.packers`: stacked into a
+the first batch's :class:`~sinkax.spec.BatchSpec` (``ragged_last``: widened by the next, if the
+first ends an epoch), hands it to the ring's packer (:mod:`sinkax.channel.packers`: stacked into a
 slot's staging buffers and put on the device, or copied and handed over unstacked, as the
 strategy's ``feed`` asks) and queues the chunk, ahead of the consumer. A chunk holds one of the
 ``prefetch + 1`` slots from the moment the producer starts filling it until the compute on it
@@ -110,14 +110,17 @@ class DeviceRing:
         try:
             start, first = self._source.position, self._read()
             spec = BatchSpec.of(first)
-            if self.packer.ragged_last and self._source.position.step == 0 < start.step:
-                spec = self._layout_after(spec)  # the first, an epoch's last, may be short
             self.packer.check(spec)  # that it splits over the devices as the sharding asks
             self.spec = spec
             self._spec_known = True
             self._spec_pending.release()
-            pending = [_Row(check(spec, first, start, smaller=True))]  # (if an epoch's last)
+            pending = [_Row(check(spec, first, start))]  # checked here, at its position
             layouts = self._plan(self.spec, start)
+            # ragged_last from an epoch's last batch, maybe short: the next full batch sets the
+            # layout (read in turn: nothing read ahead), the plan, by the first, one batch a chunk
+            self._short = self.packer.ragged_last and self._source.position.step == 0 < start.step
+            if self._short:
+                layouts = ([piece] for layout in layouts for piece in layout)
             head = list(itertools.islice(layouts, 3))
             capacity = max(map(steps_of, head), default=0)  # later layouts are alike
             layouts = itertools.chain(head, layouts)
@@ -140,16 +143,6 @@ class DeviceRing:
             if not self._spec_known:
                 self._spec_known = True
                 self._spec_pending.release()
-
-    def _layout_after(self, short: BatchSpec) -> BatchSpec:
-        """The layout of the next epoch's first batch, read, then read again (at an epoch's
-        start a rereadable source goes back for nothing); else ``short``'s, an epoch's last."""
-        if not self._source.rereadable:
-            return short
-        epoch_start, where = self._source.get_state(), self._source.position
-        full = widened(short, next(self._source), where)
-        self._source.set_state(epoch_start)
-        return full
 
     def _read(self) -> Any:
         batch = next(self._source)
@@ -201,6 +194,9 @@ class DeviceRing:
                     where = self._source.position
                     batch = pending.popleft() if pending else self._read()
                     last = self.packer.ragged_last and where.step + 1 == self._source.epoch_length
+                    if self._short and not (last or isinstance(batch, _Row)):
+                        spec = self.spec = widened(spec, batch, where)
+                        self._short = False
                     leaves = (
                         batch.leaves if isinstance(batch, _Row) else check(spec, batch, where, last)
                     )
