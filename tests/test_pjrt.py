@@ -173,7 +173,8 @@ def test_a_sink_is_one_launch_per_call_and_one_transfer_per_chunk(
 
 
 def test_sink_stats_count_interactions_on_the_plugins_device_only(emu, counting, batches):
-    with sinkax.data_sink(train_step, batches, 5, device=emu, strategy="scan") as sink:
+    # calls=1: the producer moves (and pads) no chunk past the call while it is counted
+    with sinkax.data_sink(train_step, batches, 5, device=emu, strategy="scan", calls=1) as sink:
         state, loss = sink(init_state())
         jax.block_until_ready(state)
         np.asarray(loss)
