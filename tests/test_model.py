@@ -436,6 +436,23 @@ def test_a_batch_not_finite_on_its_retry_ends_training_naming_it(options):
     assert epochs.ended == ([(1, 4)] if options.get("sink_size") == 4 else [])
 
 
+@pytest.mark.parametrize("sink_mode", [True, False])
+def test_training_reads_nothing_past_its_last_epoch(sink_mode):
+    reads = []
+
+    class Counted:  # a loader that logs what it yields
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            for i, batch in enumerate(blobs(4)):
+                reads.append(i)
+                yield batch
+
+    new_model().train(2, Counted(), dataset_sink_mode=sink_mode)
+    assert reads == [0, 1, 2, 3] * 2  # two epochs: not a batch more (non-sink read 128 more)
+
+
 def test_a_checkpoint_after_a_stop_resumes_as_the_run_went_on(tmp_path):
     stop = {"sink_options": {"strategy": "scan", "stop_if_nonfinite": "loss"}}
     epochs = _Epochs()  # sink_size 4: epoch 2 (batches 4-7) ends at 5

@@ -200,12 +200,14 @@ class DatasetHelper:
         """The :func:`sinkax.data_sink` option that ends the sink with the last epoch: a call an
         epoch (``calls``), or for ``"auto"`` and ``-1`` the steps of the epochs (``total_steps``:
         the rest of the pass the data position is in, and ``epoch_num - 1`` more; a stop at a
-        non-finite step makes a pass of more calls)."""
-        if self._sink_steps:
+        non-finite step makes a pass of more calls); in non-sink mode those steps as calls."""
+        if self._sink_steps and self.dataset_sink_mode:
             return {"calls": self.epoch_num}
         start = DataPosition.from_dict(self._data_state).step if self._data_state else 0
-        steps = self.epoch_num * known_length(self.dataset) - start  # type: ignore[operator]
-        return {"total_steps": max(1, steps)}  # (a start past a pass: the sink names that)
+        passes = self.epoch_num * known_length(self.dataset) - start  # type: ignore[operator]
+        steps = max(1, self.epoch_num * self._sink_steps if self._sink_steps else passes)
+        # (a start past a pass: the sink names that); non-sink mode: a call a step
+        return {"total_steps": steps} if self.dataset_sink_mode else {"calls": steps}
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -274,7 +276,7 @@ def connect_network_with_dataset(
     if helper.dataset_sink_mode:  # nothing is read or moved past the last epoch
         size, options = helper.sink_size, {**helper._bound(), **helper._options}
     else:
-        size, options = 1, one_step_options(helper._options)
+        size, options = 1, {**helper._bound(), **one_step_options(helper._options)}
     make = data_sink if helper.dataset_sink_mode else _StepPerItem
     helper._sink = make(fn, helper.dataset, size, data_state=helper._data_state, **options)
     return helper._sink
