@@ -11,7 +11,7 @@ outs)`` with every step's output stacked on axis 0, so the same loop body serves
   epoch's end;
 * non-sink mode: one item per batch, and each ``net(state)`` call runs one compiled step on the
   next batch -- a sink of one step per call, with the ``"step"`` strategy, which takes a
-  smaller last batch where the dataset has one.
+  smaller last batch where the dataset has one (with jit; PYNATIVE mode refuses one).
 
 >>> import numpy as np
 >>> data = [{"x": np.float32(i)} for i in range(4)]
