@@ -86,8 +86,8 @@ class Executor:
         self._reselect = False  # measure at the next call, see reselect()
         self._stateful: bool | None = None
         self._static: Static | None = None  # the state's non-array leaves, from the first call
-        self._returned: Any = None  # the state the last call returned (its array part)
-        # the last returned state, its array part, and its leaves as returned
+        # the last returned state, its array part (the carry the next call may reuse as it is),
+        # and its leaves as returned
         self._handed_back: Any = (None, None, [])
         self._watch = watcher(config.stop_if_nonfinite)  # None: the plain step
         self._carry: Any = None  # guarded: the last call's carry, its `ok` flag included
@@ -156,6 +156,11 @@ class Executor:
         elif self._strategy is None and self.chosen == "auto":
             self.chosen = recorded
 
+    @property
+    def _returned(self) -> Any:
+        """The array part of the state the last call returned, unchanged since."""
+        return self._handed_back[1]
+
     # -- one call ------------------------------------------------------------------------
     def select(self, state: Any) -> tuple[Any, Static | None]:
         """Check a call's ``state`` (:data:`NO_STATE` for ``sink()``) against the step's form,
@@ -208,7 +213,7 @@ class Executor:
             now = jax.tree.leaves(state)
             if len(now) == len(leaves) and all(map(operator.is_, now, leaves)):
                 return arrays, self._static
-            self._returned, self._handed_back = None, (None, None, [])
+            self._handed_back = (None, None, [])
         return partition(state)
 
     def place(self, state: Any, batch_spec: Callable[[], BatchSpec]) -> Any:
@@ -286,7 +291,6 @@ class Executor:
         if self._watch is not None:
             self._carry, self._stopped = (None if self._stopped else carry), False
             carry = carry[0]
-        self._returned = carry
         returned = carry if static is None else static.combine(carry)
         self._handed_back = (returned, carry, jax.tree.leaves(returned))
         return returned
