@@ -201,12 +201,11 @@ class DatasetHelper:
         epoch (``calls``), or for ``"auto"`` and ``-1`` the steps of the epochs (``total_steps``:
         the rest of the pass the data position is in, and ``epoch_num - 1`` more; a stop at a
         non-finite step makes a pass of more calls); in non-sink mode those steps as calls."""
-        if self._sink_steps and self.dataset_sink_mode:
-            return {"calls": self.epoch_num}
+        if self._sink_steps:  # in non-sink mode a call a step
+            return {"calls": self.epoch_num * (1 if self.dataset_sink_mode else self._sink_steps)}
         start = DataPosition.from_dict(self._data_state).step if self._data_state else 0
-        passes = self.epoch_num * known_length(self.dataset) - start  # type: ignore[operator]
-        steps = max(1, self.epoch_num * self._sink_steps if self._sink_steps else passes)
-        # (a start past a pass: the sink names that); non-sink mode: a call a step
+        steps = max(1, self.epoch_num * known_length(self.dataset) - start)  # type: ignore[operator]
+        # (a start past a pass: the sink names that)
         return {"total_steps": steps} if self.dataset_sink_mode else {"calls": steps}
 
     # -- lifetime ---------------------------------------------------------------------------
