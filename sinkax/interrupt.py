@@ -177,12 +177,14 @@ class Handoff:
     def donating(self, state: Any) -> None:
         """The next dispatch donates ``state``: hold a Ctrl-C from then on."""
         self.state = state
-        guard(self)
+        if GUARD._state is not self:  # (else guarded since opened(): nothing to do)
+            guard(self)
 
     def dispatched(self) -> None:
         """Every step has run: hold any Ctrl-C until the guard is closed."""
         self.state = DISPATCHED
-        guard(self)
+        if GUARD._state is not self:
+            guard(self)
 
     def failed(self) -> None:
         """Close the guard on the error path, once the failed call has cleaned up; a Ctrl-C held
