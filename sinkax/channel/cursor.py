@@ -79,6 +79,7 @@ class Cursor:
             move_to(source, data_state)
             if self.sizer:
                 self.sizer.restore(data_state)
+        self._committed_piece: Piece | None = None  # committed, not yet read as a position
         self._committed = DataPosition.of(source)
         self._chunk: Chunk | None = None  # being consumed, piece by piece
         self._piece = self._offset = 0
@@ -94,25 +95,24 @@ class Cursor:
 
     # -- where the data stands -----------------------------------------------------------
     @property
-    def epoch(self) -> int:
-        """Epoch of the next batch (from 0)."""
-        return self._committed.epoch
+    def _committed(self) -> DataPosition:
+        """Where the next call starts: the position after the last committed piece."""
+        if (piece := self._committed_piece) is not None:  # cleared once made
+            where, length = piece.position, self.epoch_length
+            self._position = DataPosition(where.epoch, where.step, piece.source_state, length)
+            self._committed_piece = None
+        return self._position
 
-    @property
-    def step(self) -> int:
-        """Step within :attr:`epoch` of the next batch (from 0)."""
-        return self._committed.step
+    @_committed.setter
+    def _committed(self, position: DataPosition) -> None:
+        self._position, self._committed_piece = position, None
 
-    @property
-    def epoch_length(self) -> int | None:
-        """Batches per epoch, when the dataset's length is known."""
-        return self._source.epoch_length
-
-    @property
-    def call_steps(self) -> int:
-        """Steps the current (or last) call kept."""
-        return self._call_steps
-
+    epoch = property(lambda self: self._committed.epoch, doc="Epoch of the next batch (from 0).")
+    step = property(lambda self: self._committed.step, doc="Step in the epoch of the next batch.")
+    epoch_length = property(
+        lambda self: self._source.epoch_length, doc="Batches per epoch, if the dataset knows."
+    )
+    call_steps = property(lambda self: self._call_steps, doc="Steps this call (or the last) kept.")
     ring = property(lambda self: self._ring, doc="The ring that reads ahead.")
 
     def counts(self) -> dict[str, Any]:
@@ -190,10 +190,7 @@ class Cursor:
         """The call that ended with ``piece`` delivers its results: its position is committed;
         an auto sink measures it, less the ``compiling`` seconds it spent compiling."""
         self._count_call(compiling)
-        where = piece.position
-        self._committed = DataPosition(
-            where.epoch, where.step, piece.source_state, self.epoch_length
-        )
+        self._committed_piece = piece  # made a DataPosition where read: few calls read it
 
     def stop(self) -> None:
         """The call ends early, its results delivered: commit the position after the batches it
