@@ -1,0 +1,110 @@
+"""A sink call's own host cost: main-thread CPU time per call, against a jitted step's.
+
+A step that computes next to nothing (it adds its batch's sum to one state leaf), so that the
+calling thread's CPU time is the cost of getting a call to the device: for ``jit`` the C++
+dispatch of a jitted step over batches already on the device; for a sink everything a call
+does besides (the Ctrl-C hand-off, the state's check, the data position, the chunk's window).
+Two states: one scalar, and the benchmark MLP's parameters and momentum (12 leaves), which a
+sink checks each call. CPU time of the calling thread (``time.thread_time``), so time waiting
+for the producer or the device is not counted; medians over repeats, each a run of many calls.
+
+    python benchmarks/call_overhead.py          # ~10 seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+from _common import fresh, machine, save, table, workload
+
+import sinkax
+
+MODES = ("jit", "sinkax 1 (scan)", "sinkax 1 (auto)", "sinkax 10 (scan)")
+
+
+def states():
+    """The two states: a scalar, and the MLP's train state (its parameters and momentum)."""
+    return {"scalar": np.float32(0), "MLP state": fresh(workload("mlp", 1).init())}
+
+
+def step(state, batch):
+    """Adds the batch's sum to the state's first leaf: nearly no compute."""
+    leaves, treedef = jax.tree.flatten(state)
+    leaves[0] = leaves[0] + batch["x"].sum().astype(leaves[0].dtype)
+    return treedef.unflatten(leaves), ()
+
+
+def per_call_us(mode, state, batches, calls):
+    """Main-thread CPU microseconds per call of ``mode``, after warm calls (on a copy of
+    ``state``: the calls donate it)."""
+    state = fresh(state)
+    if mode == "jit":
+        jitted = jax.jit(step, donate_argnums=0)
+        on_device = [jax.device_put(b) for b in batches]
+
+        def call(i, state):
+            return jitted(state, on_device[i % len(on_device)])[0]
+
+        close = None
+    else:
+        size = int(mode.split()[1])
+        strategy = mode.split("(")[1].rstrip(")")
+        sink = sinkax.data_sink(step, batches, size, strategy=strategy, prefetch=8)
+
+        def call(i, state):
+            return sink(state)[0]
+
+        close = sink.close
+    for i in range(100):
+        state = call(i, state)
+    jax.block_until_ready(state)
+    t0 = time.thread_time()
+    for i in range(calls):
+        state = call(i, state)
+    jax.block_until_ready(state)
+    seconds = time.thread_time() - t0
+    if close:
+        close()
+    return seconds / calls * 1e6
+
+
+def plot(rows, plt):
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    labels = [f"{r['state']}: {r['mode']}" for r in rows]
+    ax.barh(labels, [r["host us/call"] for r in rows], color="tab:blue")
+    ax.invert_yaxis()
+    ax.set_xlabel("main-thread CPU microseconds per call")
+    info = machine()
+    ax.set_title(f"call overhead -- {info['device']}, {info['cpu']}, jax {info['jax']}", fontsize=9)
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=4000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    batches = [{"x": np.full((32, 4), i, np.float32)} for i in range(256)]
+    rows = []
+    for name, state in states().items():
+        times = {mode: [] for mode in MODES}
+        for _ in range(args.repeats):  # the modes take turns: a change of load hits them all
+            for mode in MODES:
+                times[mode].append(per_call_us(mode, state, batches, args.calls))
+        base = statistics.median(times["jit"])
+        for mode in MODES:
+            us = statistics.median(times[mode])
+            rows.append({"state": name, "mode": mode, "host us/call": us, "x jit": us / base})
+    print(f"call overhead ({machine()['device']}, jax {jax.__version__})")
+    print(table(rows, ["state", "mode", "host us/call", "x jit"]))
+    payload = {"rows": rows, "calls": args.calls, "repeats": args.repeats}
+    save("call_overhead", payload, lambda plt: plot(rows, plt))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
