@@ -23,6 +23,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import re
 
 from sinkax import compat
 from sinkax.presets import PRESETS, Preset, preset
@@ -77,6 +78,7 @@ class _Loaded:
     library: ctypes.CDLL
     platform: str
     inner_path: str
+    discrete: bool
 
 
 _loaded: list[_Loaded] = []  # the plugin, once loaded: one per process
@@ -104,13 +106,15 @@ def use_plugin(
     jax's own (``"cpu"``, ``"cuda"``, ...) is refused.
     """
     _check_platform_name(platform)
+    chosen = preset(costs)  # a bad preset stops here, before anything is loaded
     if _loaded:
-        if (_loaded[0].inner_path, _loaded[0].platform) != (inner_path, platform):
+        loaded, wanted = _loaded[0], (inner_path, platform, discrete)
+        if (loaded.inner_path, loaded.platform, loaded.discrete) != wanted:
             raise RuntimeError(
-                f"sinkax's PJRT plugin is already loaded as {_loaded[0].platform!r} over "
-                f"{_loaded[0].inner_path}; one process can load it once."
+                f"sinkax's PJRT plugin is already loaded as {loaded.platform!r} over "
+                f"{loaded.inner_path} (discrete={loaded.discrete}); one process can load it once."
             )
-        set_costs(costs)
+        _set_costs(loaded.library, chosen)
         return platform
     if compat.backends_are_initialized():
         raise RuntimeError(
@@ -124,8 +128,7 @@ def use_plugin(
     library.sinkax_pjrt_load_error.restype = ctypes.c_char_p
     if library.sinkax_pjrt_configure(inner_path.encode(), platform.encode(), int(discrete)):
         raise RuntimeError("sinkax's PJRT plugin was loaded outside sinkax.pjrt; reconfigure it.")
-    _loaded.append(_Loaded(library, platform, inner_path))
-    set_costs(costs)
+    _set_costs(library, chosen)
     logging.getLogger(compat.PLUGIN_LOGGER).addFilter(
         lambda record: f"'{platform}' is experimental" not in record.getMessage()
     )
@@ -138,12 +141,19 @@ def use_plugin(
     except Exception as error:
         reason = library.sinkax_pjrt_load_error().decode()
         raise RuntimeError(f"Could not load the PJRT plugin {inner_path}: {reason}") from error
+    _loaded.append(_Loaded(library, platform, inner_path, discrete))  # loaded: not before
     return platform
 
 
 def _check_platform_name(platform: str) -> None:
-    """``ValueError`` if ``platform`` is a name jax gives its own backends: the plugin would
-    stand in for that backend or be shadowed by it."""
+    """``ValueError`` if ``platform`` is not a lowercase identifier (jax looks platforms up by
+    name, and the plugin names its devices after it), or is a name jax gives its own backends:
+    the plugin would stand in for that backend or be shadowed by it."""
+    if not isinstance(platform, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", platform):
+        raise ValueError(
+            f"platform {platform!r} must be a lowercase identifier (a letter, then letters, "
+            "digits or '_'), e.g. 'counted_gpu'."
+        )
     own = compat.jax_platform_names()
     if platform in own - {loaded_platform()}:
         raise ValueError(
@@ -186,8 +196,11 @@ def loaded_platform() -> str | None:
 
 def set_costs(costs: str | Preset) -> None:
     """Charge ``costs`` (a preset name or :class:`~sinkax.presets.Preset`) from now on."""
-    chosen = preset(costs)
-    _library().sinkax_pjrt_set_costs(
+    _set_costs(_library(), preset(costs))
+
+
+def _set_costs(library: ctypes.CDLL, chosen: Preset) -> None:
+    library.sinkax_pjrt_set_costs(
         chosen.launch_s,
         chosen.h2d_latency_s,
         chosen.h2d_bytes_per_s,

@@ -11,6 +11,7 @@ figures, never GPU or Ascend ones. Sources of the numbers are in ``docs/plugin.m
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 
@@ -25,6 +26,16 @@ class Preset:
     d2h_latency_s: float = 0.0
     d2h_bytes_per_s: float = 0.0
     source: str = ""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self)[1:6]:
+            value = getattr(self, field.name)
+            if not (isinstance(value, int | float) and 0 <= value < math.inf):
+                unit = "bytes per second, 0 for no per-byte cost" if "bytes" in field.name else "s"
+                raise ValueError(
+                    f"Preset {self.name!r}: {field.name} must be a finite number >= 0 ({unit}), "
+                    f"got {value!r}."
+                )
 
     def transfer_s(self, direction: Literal["h2d", "d2h"], nbytes: int) -> float:
         """What one transfer of ``nbytes`` costs in ``direction``."""

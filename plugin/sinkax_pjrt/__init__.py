@@ -28,9 +28,11 @@ def cpu_plugin_path() -> str:
 
 
 def initialize() -> None:
-    """Called by jax at start-up: registers the emulated device if ``SINKAX_PJRT`` is set."""
+    """Called by jax at start-up: registers the emulated device if ``SINKAX_PJRT`` is set,
+    unless the program registered the plugin itself (its own call, and costs, stand)."""
     preset = os.environ.get("SINKAX_PJRT")
     if preset:
         from sinkax import pjrt
 
-        pjrt.use_emulated(preset)
+        if pjrt.loaded_platform() is None:
+            pjrt.use_emulated(preset)
