@@ -19,8 +19,9 @@ class SinkStats:
     ``interactions``: on a device of sinkax's PJRT plugin (:mod:`sinkax.pjrt`), the process's
     host–device interactions since the sink was created (other work in between counts too).
     ``device_bytes`` and ``peak_device_bytes``: the bytes in use on the sink's devices now and at
-    most, as their ``memory_stats()`` report them (every user of the devices counts; the
-    emulated device and GPUs report them, ``None`` where a device does not, as XLA:CPU's).
+    most, as their ``memory_stats()`` report them, summed over the devices (each device's own
+    peak: over several devices, at least their peak together; every user of the devices counts;
+    the emulated device and GPUs report them, ``None`` where a device does not, as XLA:CPU's).
     ``compiles``: the executables the sink built: its windows', and one per call size that
     joins the outputs of a call of several windows (executables an earlier sink of the same
     step built are reused, not counted).

@@ -352,3 +352,107 @@ def test_misuse_of_the_plugin_layer_is_explained():
         pjrt.use_emulated("nope")
     with pytest.raises(RuntimeError, match="already loaded as 'emu'"):
         pjrt.use_plugin("/elsewhere/plugin.so", "ascend")
+
+
+def test_only_device_memory_is_counted_the_copy_from_a_host_memory_kind_is_the_transfer(
+    emu, counting
+):
+    host = np.ones(1 << 18, np.float32)  # 1 MiB
+    pinned = jax.sharding.SingleDeviceSharding(emu, memory_kind="pinned_host")
+    live = emu.memory_stats()["bytes_in_use"]
+    before = pjrt.interactions()
+    staged = on_device(host, pinned)  # a copy on the host: no transfer, no device memory
+    assert pjrt.interactions() - before == pjrt.Interactions()
+    assert emu.memory_stats()["bytes_in_use"] == live
+    before = pjrt.interactions()
+    device = jax.sharding.SingleDeviceSharding(emu, memory_kind="device")
+    moved = on_device(staged, device)  # the transfer: by DMA from pinned memory, on a GPU
+    assert (pjrt.interactions() - before).h2d_bytes == host.nbytes
+    assert emu.memory_stats()["bytes_in_use"] == live + host.nbytes
+    before = pjrt.interactions()
+    back = on_device(moved, pinned)
+    assert (pjrt.interactions() - before).d2h_bytes == host.nbytes
+    np.testing.assert_array_equal(np.asarray(back), host)  # (a host kind: read, not moved)
+    assert (pjrt.interactions() - before).d2h == 1
+    del moved
+    assert emu.memory_stats()["bytes_in_use"] == live
+
+
+def test_a_copy_to_another_device_counts_in_that_devices_memory(emu, counting):
+    other = jax.devices(pjrt.EMULATED_PLATFORM)[1]
+    x = on_device(np.ones(1 << 18, np.float32), emu)
+    live = other.memory_stats()["bytes_in_use"]
+    before = pjrt.interactions()
+    y = on_device(x, other)  # device to device: no host interaction
+    assert pjrt.interactions() - before == pjrt.Interactions()
+    assert other.memory_stats()["bytes_in_use"] == live + x.nbytes
+    del y
+    assert other.memory_stats()["bytes_in_use"] == live
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("launch_s", float("nan")), ("h2d_latency_s", -0.5), ("d2h_bytes_per_s", float("inf"))],
+)
+def test_a_preset_takes_finite_costs_only(field, value):
+    with pytest.raises(ValueError, match=f"Preset 'mine': {field} must be a finite number >= 0"):
+        Preset("mine", **{field: value})
+
+
+@pytest.mark.parametrize("platform", ["", "my dev", "Emu2"])
+def test_a_platform_name_is_a_lowercase_identifier(platform):
+    with pytest.raises(ValueError, match="must be a lowercase identifier"):
+        pjrt.use_plugin("/some/plugin.so", platform)
+
+
+def test_the_plugin_loaded_once_refuses_another_configuration():
+    import sinkax_pjrt
+
+    with pytest.raises(RuntimeError, match=r"already loaded as 'emu' .*\(discrete=True\)"):
+        pjrt.use_plugin(sinkax_pjrt.cpu_plugin_path(), "emu", discrete=False)
+
+
+FRESH_PROCESS = """
+import time
+import sinkax
+from sinkax import pjrt
+from sinkax.presets import Preset
+for call in ({first}):
+    try:
+        call()
+    except Exception as error:
+        print("refused:", type(error).__name__)
+import jax
+x = jax.device_put(1.0, jax.devices("emu")[0])
+add = jax.jit(lambda v: v + 1)
+jax.block_until_ready(add(x))  # compiled: the next call is a launch only
+start = time.perf_counter(); jax.block_until_ready(add(x))
+print("launch took", time.perf_counter() - start)
+"""
+
+
+def run_fresh(first, **env):
+    code = FRESH_PROCESS.format(first=first)
+    base = {k: v for k, v in os.environ.items() if k != "SINKAX_PJRT"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_load_that_failed_can_be_made_again():
+    out = run_fresh(
+        "lambda: pjrt.use_emulated('pcie4x16'), "  # a misspelt preset: nothing loaded
+        "lambda: pjrt.use_plugin('/no/such/plugin.so', 'counted'), "
+        "lambda: pjrt.use_plugin('/no/such/plugin.so', 'counted'), "  # refused again
+        "lambda: pjrt.use_emulated('counting')"
+    )
+    assert out.count("refused:") == 3 and "launch took" in out
+
+
+def test_the_programs_own_costs_win_over_sinkax_pjrt():
+    out = run_fresh(
+        "lambda: pjrt.use_emulated(Preset('slow', launch_s=0.3)),", SINKAX_PJRT="counting"
+    )
+    assert "refused" not in out and float(out.split("launch took")[1]) >= 0.25

@@ -7,10 +7,14 @@
 //   * present a platform of its own name, optionally as a discrete device: Buffer_IsOnCpu=false,
 //     host buffers always copied, never aliased;
 //   * optionally charge an emulated cost model: a launch cost per execute, and latency + bytes /
-//     bandwidth per transfer on one copy engine per direction, completed asynchronously;
+//     bandwidth per transfer (host->device ones queued on one copy engine), completed
+//     asynchronously;
 //   * launch asynchronously, as a device stream does, also when inputs are donated (see Execute);
 //   * report each device's live and peak bytes of buffers (Device_MemoryStats, and
 //     sinkax_pjrt_memory for Python).
+//
+// Only device memory counts: a buffer in one of a device's host memory kinds (pinned_host,
+// unpinned_host) is host memory, and a copy between it and device memory is the transfer.
 //
 // Cost model (all times on the host's steady clock):
 //   host->device: the copy is made during the call (the data really moves), the buffer's ready
@@ -279,6 +283,40 @@ void untrack(PJRT_Buffer* buffer) {
   buffer_bytes.erase(it);
 }
 
+// Whether `buffer` lies in device memory (memory kind "device"), not in one of the host memory
+// kinds a device offers (pinned_host, unpinned_host): only device memory is counted and charged.
+// A plugin that does not say is taken to have device memory only.
+bool in_device_memory(PJRT_Buffer* buffer) {
+  PJRT_Buffer_Memory_Args memory{PJRT_Buffer_Memory_Args_STRUCT_SIZE, nullptr, buffer, nullptr};
+  if (PJRT_Error* error = inner->PJRT_Buffer_Memory(&memory)) {
+    forget(error);
+    return true;
+  }
+  PJRT_Memory_Kind_Args kind{PJRT_Memory_Kind_Args_STRUCT_SIZE, nullptr, memory.memory, nullptr, 0};
+  if (PJRT_Error* error = inner->PJRT_Memory_Kind(&kind)) {
+    forget(error);
+    return true;
+  }
+  return std::string(kind.kind, kind.kind_size) == "device";
+}
+
+// The bytes of `buffer`'s data, from its shape (asking a pending buffer its size would wait).
+uint64_t byte_size(PJRT_Buffer* buffer) {
+  PJRT_Buffer_Dimensions_Args dims{PJRT_Buffer_Dimensions_Args_STRUCT_SIZE, nullptr, buffer,
+                                   nullptr, 0};
+  PJRT_Buffer_ElementType_Args type{PJRT_Buffer_ElementType_Args_STRUCT_SIZE, nullptr, buffer,
+                                    PJRT_Buffer_Type_INVALID};
+  PJRT_Error* error = inner->PJRT_Buffer_Dimensions(&dims);
+  if (!error) error = inner->PJRT_Buffer_ElementType(&type);
+  if (error) {
+    forget(error);
+    return 0;
+  }
+  uint64_t elements = 1;
+  for (size_t i = 0; i < dims.num_dims; ++i) elements *= static_cast<uint64_t>(dims.dims[i]);
+  return (elements * element_bits(type.type) + 7) / 8;
+}
+
 bool is_deleted(PJRT_Buffer* buffer) {
   PJRT_Buffer_IsDeleted_Args args{PJRT_Buffer_IsDeleted_Args_STRUCT_SIZE, nullptr, buffer, false};
   PJRT_Error* error = inner->PJRT_Buffer_IsDeleted(&args);
@@ -372,26 +410,67 @@ PJRT_Error* Compile(PJRT_Client_Compile_Args* args) {
   return inner->PJRT_Client_Compile(args);
 }
 
-PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
-  uint64_t elements = 1;
-  for (size_t i = 0; i < args->num_dims; ++i) elements *= args->dims[i];
-  uint64_t bytes = (elements * element_bits(args->type) + 7) / 8;
+// `buffer`, just made in device memory from `bytes` of host memory (whose own data is ready at
+// `ready`): counted, tracked, and charged to the host->device copy engine.
+void arrived_by_h2d(PJRT_Buffer* buffer, uint64_t bytes, Clock::time_point ready = {}) {
   counters[kH2D].fetch_add(1, std::memory_order_relaxed);
   counters[kH2DBytes].fetch_add(bytes, std::memory_order_relaxed);
+  track(buffer, static_cast<int64_t>(bytes));
+  if (!costs_on.load(std::memory_order_relaxed)) return;
+  Costs c = current_costs();
+  std::lock_guard<std::mutex> lock(timeline_mutex);
+  auto start = std::max({Clock::now(), h2d_engine_free, ready});
+  h2d_engine_free = start + transfer_time(c.h2d_latency_s, c.h2d_bytes_per_s, bytes);
+  arrives[buffer] = h2d_engine_free;
+}
+
+PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
   if (config.discrete && (args->host_buffer_semantics == PJRT_HostBufferSemantics_kImmutableZeroCopy ||
                           args->host_buffer_semantics == PJRT_HostBufferSemantics_kMutableZeroCopy)) {
     args->host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;  // a real copy
   }
   PJRT_Error* error = inner->PJRT_Client_BufferFromHostBuffer(args);
   if (error) return error;
-  track(args->buffer, static_cast<int64_t>(bytes));
-  if (!costs_on.load(std::memory_order_relaxed)) return nullptr;
+  // into one of the device's host memory kinds: a copy on the host, no transfer
+  if (in_device_memory(args->buffer)) arrived_by_h2d(args->buffer, byte_size(args->buffer));
+  return nullptr;
+}
+
+// A copy of a buffer to another memory (kind, or device), made by the inner plugin as `dst`:
+// into device memory from a host kind, a host->device transfer; out of device memory into a
+// host kind, a device->host one (charged as a read-back is); between devices' memories, only
+// tracked (no host interaction); between host kinds, nothing.
+void copied(PJRT_Buffer* src, PJRT_Buffer* dst) {
+  bool from_device = in_device_memory(src), to_device = in_device_memory(dst);
+  uint64_t bytes = byte_size(dst);
+  auto ready = arrival(src);
+  if (to_device && !from_device) return arrived_by_h2d(dst, bytes, ready);
+  if (to_device) {
+    track(dst, static_cast<int64_t>(bytes));
+    std::lock_guard<std::mutex> lock(timeline_mutex);
+    if (ready > Clock::now()) arrives[dst] = ready;
+    return;
+  }
+  if (!from_device) return;
+  counters[kD2H].fetch_add(1, std::memory_order_relaxed);
+  counters[kD2HBytes].fetch_add(bytes, std::memory_order_relaxed);
+  if (!costs_on.load(std::memory_order_relaxed)) return;
   Costs c = current_costs();
   std::lock_guard<std::mutex> lock(timeline_mutex);
-  auto start = std::max(Clock::now(), h2d_engine_free);
-  h2d_engine_free = start + transfer_time(c.h2d_latency_s, c.h2d_bytes_per_s, bytes);
-  arrives[args->buffer] = h2d_engine_free;
-  return nullptr;
+  auto cost = transfer_time(c.d2h_latency_s, c.d2h_bytes_per_s, bytes);
+  arrives[dst] = std::max(Clock::now(), ready) + cost;
+}
+
+PJRT_Error* CopyToDevice(PJRT_Buffer_CopyToDevice_Args* args) {
+  PJRT_Error* error = inner->PJRT_Buffer_CopyToDevice(args);
+  if (!error) copied(args->buffer, args->dst_buffer);
+  return error;
+}
+
+PJRT_Error* CopyToMemory(PJRT_Buffer_CopyToMemory_Args* args) {
+  PJRT_Error* error = inner->PJRT_Buffer_CopyToMemory(args);
+  if (!error) copied(args->buffer, args->dst_buffer);
+  return error;
 }
 
 PJRT_Error* BufferDelete(PJRT_Buffer_Delete_Args* args) {
@@ -504,6 +583,7 @@ PJRT_Error* MemoryStats(PJRT_Device_MemoryStats_Args* args) {
 
 PJRT_Error* ToHostBuffer(PJRT_Buffer_ToHostBuffer_Args* args) {
   if (args->dst == nullptr) return inner->PJRT_Buffer_ToHostBuffer(args);  // a size query
+  if (!in_device_memory(args->src)) return inner->PJRT_Buffer_ToHostBuffer(args);  // host kinds
   uint64_t bytes = args->dst_size;
   counters[kD2H].fetch_add(1, std::memory_order_relaxed);
   counters[kD2HBytes].fetch_add(bytes, std::memory_order_relaxed);
@@ -668,6 +748,8 @@ SINKAX_EXPORT const PJRT_Api* GetPjrtApi() {
   api->PJRT_Buffer_ReadyEvent = BufferReadyEvent;
   api->PJRT_LoadedExecutable_Execute = Execute;
   api->PJRT_Buffer_ToHostBuffer = ToHostBuffer;
+  api->PJRT_Buffer_CopyToDevice = CopyToDevice;
+  api->PJRT_Buffer_CopyToMemory = CopyToMemory;
   api->PJRT_Event_Destroy = EventDestroy;
   api->PJRT_Event_IsReady = EventIsReady;
   api->PJRT_Event_Error = EventError;
