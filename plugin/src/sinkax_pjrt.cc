@@ -287,6 +287,7 @@ void untrack(PJRT_Buffer* buffer) {
 // kinds a device offers (pinned_host, unpinned_host): only device memory is counted and charged.
 // A plugin that does not say is taken to have device memory only.
 bool in_device_memory(PJRT_Buffer* buffer) {
+  if (!inner->PJRT_Buffer_Memory || !inner->PJRT_Memory_Kind) return true;
   PJRT_Buffer_Memory_Args memory{PJRT_Buffer_Memory_Args_STRUCT_SIZE, nullptr, buffer, nullptr};
   if (PJRT_Error* error = inner->PJRT_Buffer_Memory(&memory)) {
     forget(error);
@@ -748,8 +749,8 @@ SINKAX_EXPORT const PJRT_Api* GetPjrtApi() {
   api->PJRT_Buffer_ReadyEvent = BufferReadyEvent;
   api->PJRT_LoadedExecutable_Execute = Execute;
   api->PJRT_Buffer_ToHostBuffer = ToHostBuffer;
-  api->PJRT_Buffer_CopyToDevice = CopyToDevice;
-  api->PJRT_Buffer_CopyToMemory = CopyToMemory;
+  if (inner->PJRT_Buffer_CopyToDevice) api->PJRT_Buffer_CopyToDevice = CopyToDevice;
+  if (inner->PJRT_Buffer_CopyToMemory) api->PJRT_Buffer_CopyToMemory = CopyToMemory;
   api->PJRT_Event_Destroy = EventDestroy;
   api->PJRT_Event_IsReady = EventIsReady;
   api->PJRT_Event_Error = EventError;
