@@ -8,16 +8,26 @@ import warnings
 
 import numpy as np
 import pytest
-from test_model import Recorder, _SaveAndStopAt, blobs, new_model, shuffled_blobs
+from test_model import (
+    Recorder,
+    _SaveAndStopAt,
+    blobs,
+    init_params,
+    linear,
+    new_model,
+    shuffled_blobs,
+)
 
 from sinkax.train import (
     Callback,
     EvalCallback,
     History,
     LossMonitor,
+    Model,
     ModelCheckpoint,
     ProgressBar,
     TimeMonitor,
+    cross_entropy,
 )
 
 LOSS_LINE = re.compile(r"^epoch: \d+ step: \d+, loss is [-0-9.e]+$")
@@ -186,6 +196,49 @@ def test_model_checkpoint_refuses_to_mix_runs(tmp_path):
     new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))
     with pytest.raises(ValueError, match=r"another run.*resume_from"):
         new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))
+
+
+def test_model_checkpoint_sees_what_another_run_saved_since_it_last_looked(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path)
+    assert checkpoint.latest_step() is None
+    new_model().train(2, blobs(3), callbacks=ModelCheckpoint(tmp_path))  # another run: 3, 6
+    assert checkpoint.latest_step() == 6
+    with pytest.raises(ValueError, match=r"up to step 6.*another run"):
+        new_model().train(2, blobs(3, seed=1), callbacks=checkpoint)
+    assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [3, 6]
+
+
+def test_a_save_asked_for_by_a_callback_keeps_a_non_finite_state_out_too(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path, keep_last=1)
+
+    class SaveEveryStep(Callback):
+        def on_step_end(self, run):
+            checkpoint.save(run)
+
+    data = blobs(4)
+    data[2] = {"image": data[2]["image"] * np.nan, "label": data[2]["label"]}
+    with pytest.warns(RuntimeWarning, match="did not save step 3 .* not finite"):
+        new_model().train(1, data, [checkpoint, SaveEveryStep()], dataset_sink_mode=False)
+    assert sorted(os.listdir(tmp_path)) == ["2"]  # the last finite state, kept
+
+
+def test_a_directory_of_other_orbax_checkpoints_is_named_as_such(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(5, args=ocp.args.StandardSave({"w": np.zeros(2)}))
+    with pytest.raises(ValueError, match=r"step 5\) holds no checkpoint of sinkax's ModelCheck"):
+        new_model().restore(tmp_path)
+
+
+def test_an_eval_only_model_restores_a_training_checkpoints_params(tmp_path):
+    trained = new_model()
+    trained.train(1, blobs(4), callbacks=ModelCheckpoint(tmp_path))
+    evaluating = Model(linear, init_params(), cross_entropy)  # no optimizer
+    assert evaluating.restore(tmp_path)["step"] == 4
+    assert evaluating.state.opt_state is None and int(evaluating.state.step) == 4
+    np.testing.assert_array_equal(evaluating.params["w"], trained.params["w"])
+    assert evaluating.eval(blobs(4)) == trained.eval(blobs(4))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's read-only /proc")

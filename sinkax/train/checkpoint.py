@@ -19,6 +19,7 @@ from sinkax import distributed
 from sinkax.errors import warn
 from sinkax.train import checks
 from sinkax.train.callbacks import Callback, RunContext
+from sinkax.train.steps import TrainState
 
 
 def layout(tree: Any) -> list[list[Any]]:
@@ -93,6 +94,7 @@ class ModelCheckpoint(Callback):
         self._in_run = False  # entered as a callback: its __exit__ waits for pending saves
         self._completed: int | None = None  # the last epoch that ran to its end
         self._saved: int | None = None  # the step of the last save
+        self._refused: int | None = None  # the step of the last state not saved: not finite
 
     def _open(self) -> Any:
         ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
@@ -110,10 +112,13 @@ class ModelCheckpoint(Callback):
             self._manager = None
 
     def latest_step(self) -> int | None:
-        """The global step of the newest checkpoint, or ``None`` if there is none."""
+        """The global step of the newest checkpoint, or ``None`` if there is none (read from
+        the directory now: another run may have saved since)."""
         if not os.path.isdir(self.directory):
             return None
-        return self._open().latest_step()
+        manager = self._open()
+        manager.reload()
+        return manager.latest_step()
 
     def on_train_begin(self, run: RunContext) -> None:
         try:  # before any training, not at the first save
@@ -137,22 +142,12 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, run: RunContext) -> None:
         self._completed = run.epoch
         if run.epoch % self.save_every_epochs == 0:
-            self._save_if_finite(run)
+            self.save(run)
 
     def on_train_end(self, run: RunContext) -> None:
         # not after a stop request: that may be TerminateOnNaN's, and the state not worth keeping
         if not run.stop_requested and self._completed == run.epoch and self._saved != run.step:
-            self._save_if_finite(run)
-
-    def _save_if_finite(self, run: RunContext) -> None:
-        if _finite(run.state):
             self.save(run)
-        else:
-            warn(
-                f"ModelCheckpoint did not save step {run.step} (epoch {run.epoch}): its state is "
-                "not finite (NaN or inf); the checkpoints saved before it are kept.",
-                RuntimeWarning,
-            )
 
     def __enter__(self) -> ModelCheckpoint:
         self._in_run = True
@@ -167,9 +162,20 @@ class ModelCheckpoint(Callback):
         checkpointer asynchronously (the state is copied to the host first; the run's end waits
         for the write), else (a checkpointer kept by another callback) before returning. Within
         an epoch, the checkpoint records the epochs completed before it and the steps run of
-        it: a run resumed from it finishes that epoch."""
+        it: a run resumed from it finishes that epoch. A state with a non-finite float is not
+        saved: a warning says so."""
         ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
         if self._saved == run.step:  # e.g. by the user's callback, then at the epoch's end
+            return
+        if not _finite(run.state):
+            if self._refused == run.step:  # said once
+                return
+            self._refused = run.step
+            warn(
+                f"ModelCheckpoint did not save step {run.step} (epoch {run.epoch}): its state is "
+                "not finite (NaN or inf); the checkpoints saved before it are kept.",
+                RuntimeWarning,
+            )
             return
         state = jax.device_get(run.state)
         ended = run.epoch_done
@@ -190,7 +196,9 @@ class ModelCheckpoint(Callback):
         """``(state, meta)`` of checkpoint ``step`` (default: the latest), shaped like ``like``.
 
         Raises ``ValueError`` naming the differing leaves if the checkpoint was written by a
-        model with another params or optimizer-state layout.
+        model with another params or optimizer-state layout. An eval-only model's state (a
+        :class:`~sinkax.train.TrainState` without ``opt_state``) takes a training checkpoint's
+        other fields, its optimizer state left out.
         """
         ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
         self._close()  # pending saves finish first
@@ -198,9 +206,21 @@ class ModelCheckpoint(Callback):
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.directory} to resume from.")
         try:
-            meta = self._open().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            meta = meta["meta"]
-            problems = _layout_mismatch(meta["layout"], layout(like))
+            try:
+                meta = self._open().restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                )["meta"]
+                saved_layout = meta["layout"]
+            except KeyError as error:
+                raise ValueError(
+                    f"{self.directory} (step {step}) holds no checkpoint of sinkax's "
+                    f"ModelCheckpoint (missing: {error.args[0]}): resume from a directory a "
+                    "ModelCheckpoint saved into, or save into an empty one."
+                ) from None
+            eval_only = isinstance(like, TrainState) and like.opt_state is None
+            problems = _layout_mismatch(saved_layout, layout(like))
+            if eval_only:  # the checkpoint's optimizer state is not restored
+                problems = [p for p in problems if not p.startswith(".opt_state")]
             if problems:
                 more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
                 raise ValueError(
@@ -209,10 +229,16 @@ class ModelCheckpoint(Callback):
                     " Resume with the network and optimizer it was trained with, or train from "
                     "scratch."
                 )
-            target = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), like
-            )
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+
+            def abstract(x: Any) -> jax.ShapeDtypeStruct:
+                return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+            if eval_only:
+                fields = {k: v for k, v in like._asdict().items() if k != "opt_state"}
+                item = ocp.args.PyTreeRestore(jax.tree.map(abstract, fields), partial_restore=True)
+                restored = self._open().restore(step, args=ocp.args.Composite(state=item))
+                return like._replace(**restored["state"]), meta
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(jax.tree.map(abstract, like)))
             return self._open().restore(step, args=args)["state"], meta
         finally:
             self._close()
