@@ -58,7 +58,8 @@ class DatasetHelper:
         or ``"scan"`` over several devices).
 
     Items yielded: the number of steps the next ``net(state)`` call runs (``1`` in non-sink
-    mode; ``None`` for ``"auto"``, whose call decides); call ``net`` once per item. Whatever
+    mode; ``None`` for ``"auto"`` and ``-1``, whose call decides: the rest of the pass); call
+    ``net`` once per item. Whatever
     the mode, the sink reads and moves nothing past the last epoch.
 
     >>> import numpy as np
