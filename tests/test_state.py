@@ -530,6 +530,22 @@ def test_resuming_a_loader_that_reshuffles_without_a_seed_is_refused_with_the_fi
     assert "Give what Sink.data_state() returned" not in str(refused.value)  # the user did
 
 
+def test_a_position_saved_over_a_loader_resumes_over_a_list_of_its_batches_only():
+    data = [{"index": np.int32(i)} for i in range(10)]
+
+    class Again:  # a re-iterable that is no Sequence: its position holds a fingerprint
+        def __iter__(self):
+            return iter(data)
+
+    with sinkax.data_sink(lambda b: b["index"], Again(), 3) as sink:
+        seen(sink, 1)
+        saved = sink.data_state()
+    with sinkax.data_sink(lambda b: b["index"], data, 3, data_state=saved) as sink:
+        assert seen(sink, 1) == [3, 4, 5]  # the same batches: the replay agrees
+    with pytest.raises(ValueError, match="Resuming replayed the first 3 batches"):
+        sinkax.data_sink(lambda b: b["index"], data[::-1], 3, data_state=saved)
+
+
 def test_resuming_a_seeded_loader_replays_exactly():
     step = lambda b: b["index"]  # noqa: E731
     with sinkax.data_sink(step, Loader(seeded=True), 3) as sink:
