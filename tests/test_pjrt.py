@@ -456,3 +456,11 @@ def test_the_programs_own_costs_win_over_sinkax_pjrt():
         "lambda: pjrt.use_emulated(Preset('slow', launch_s=0.3)),", SINKAX_PJRT="counting"
     )
     assert "refused" not in out and float(out.split("launch took")[1]) >= 0.25
+
+
+def test_a_read_back_counts_the_bytes_its_transfer_counted(emu, counting):
+    host = np.zeros(1000, jnp.int4)  # packed two to a byte on the device
+    before = pjrt.interactions()
+    np.asarray(on_device(host, emu))
+    moved = pjrt.interactions() - before
+    assert moved.h2d_bytes == moved.d2h_bytes == 500

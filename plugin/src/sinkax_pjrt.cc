@@ -585,7 +585,8 @@ PJRT_Error* MemoryStats(PJRT_Device_MemoryStats_Args* args) {
 PJRT_Error* ToHostBuffer(PJRT_Buffer_ToHostBuffer_Args* args) {
   if (args->dst == nullptr) return inner->PJRT_Buffer_ToHostBuffer(args);  // a size query
   if (!in_device_memory(args->src)) return inner->PJRT_Buffer_ToHostBuffer(args);  // host kinds
-  uint64_t bytes = args->dst_size;
+  uint64_t bytes = byte_size(args->src);  // packed, as a transfer to the device counts them
+  if (bytes == 0) bytes = args->dst_size;
   counters[kD2H].fetch_add(1, std::memory_order_relaxed);
   counters[kD2HBytes].fetch_add(bytes, std::memory_order_relaxed);
   auto arrived = arrival(args->src);
