@@ -177,13 +177,17 @@ class Handoff:
     def donating(self, state: Any) -> None:
         """The next dispatch donates ``state``: hold a Ctrl-C from then on."""
         self.state = state
-        if GUARD._state is not self:  # (else guarded since opened(): nothing to do)
-            guard(self)
+        self._hold()
 
     def dispatched(self) -> None:
         """Every step has run: hold any Ctrl-C until the guard is closed."""
         self.state = DISPATCHED
-        if GUARD._state is not self:
+        self._hold()
+
+    def _hold(self) -> None:
+        """Guard this handoff: nothing to do where opened() did and our handler is still the
+        one installed (a step traced meanwhile may have replaced it)."""
+        if GUARD._state is not self or _signal.getsignal(signal.SIGINT) is not _on_sigint:
             guard(self)
 
     def failed(self) -> None:

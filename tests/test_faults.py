@@ -367,3 +367,18 @@ def test_a_second_ctrl_c_while_a_call_unwinds_from_the_first_does_not_wedge_the_
                 break
         assert k > 10  # the call passed its error path's checks, each with a second Ctrl-C
         assert_no_slot_leaked(sink)
+
+
+def test_a_call_holds_ctrl_c_even_if_the_handler_was_replaced_since_the_call_began():
+    original = signal.getsignal(signal.SIGINT)
+    handoff = sinkax.interrupt.Handoff.opened()
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a step traced meanwhile, say
+        handoff.dispatched()  # every step has run: a Ctrl-C from here on is held
+        signal.raise_signal(signal.SIGINT)
+        handoff.state = None
+        with pytest.raises(KeyboardInterrupt):
+            sinkax.interrupt.deliver_held()  # where the next call passes it on
+    finally:
+        handoff.state = None
+        signal.signal(signal.SIGINT, original)
