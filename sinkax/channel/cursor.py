@@ -79,7 +79,8 @@ class Cursor:
             move_to(source, data_state)
             if self.sizer:
                 self.sizer.restore(data_state)
-        self._committed_piece: Piece | None = None  # committed, not yet read as a position
+        self._committed_piece: Piece | None = None  # committed since _position was set
+        self._made: tuple[Piece | None, Any] = (None, None)  # a piece and its position
         self._committed = DataPosition.of(source)
         self._chunk: Chunk | None = None  # being consumed, piece by piece
         self._piece = self._offset = 0
@@ -96,12 +97,14 @@ class Cursor:
     # -- where the data stands -----------------------------------------------------------
     @property
     def _committed(self) -> DataPosition:
-        """Where the next call starts: the position after the last committed piece."""
-        if (piece := self._committed_piece) is not None:  # cleared once made
+        """Where the next call starts: after the last committed piece (made once per piece, and
+        nothing cleared: another thread may read while a call commits)."""
+        piece, (made, position) = self._committed_piece, self._made
+        if piece is not None and made is not piece:
             where, length = piece.position, self.epoch_length
-            self._position = DataPosition(where.epoch, where.step, piece.source_state, length)
-            self._committed_piece = None
-        return self._position
+            position = DataPosition(where.epoch, where.step, piece.source_state, length)
+            self._made = (piece, position)
+        return self._position if piece is None else position
 
     @_committed.setter
     def _committed(self, position: DataPosition) -> None:
