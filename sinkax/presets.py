@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Literal
 
 
@@ -30,12 +31,14 @@ class Preset:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self)[1:6]:
             value = getattr(self, field.name)
-            if not (isinstance(value, int | float) and 0 <= value < math.inf):
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not (number and 0 <= value < math.inf):
                 unit = "bytes per second, 0 for no per-byte cost" if "bytes" in field.name else "s"
                 raise ValueError(
                     f"Preset {self.name!r}: {field.name} must be a finite number >= 0 ({unit}), "
                     f"got {value!r}."
                 )
+            object.__setattr__(self, field.name, float(value))  # (a numpy scalar, an int)
 
     def transfer_s(self, direction: Literal["h2d", "d2h"], nbytes: int) -> float:
         """What one transfer of ``nbytes`` costs in ``direction``."""

@@ -399,6 +399,13 @@ def test_a_preset_takes_finite_costs_only(field, value):
         Preset("mine", **{field: value})
 
 
+def test_a_preset_takes_numpy_and_int_costs_as_floats():
+    preset = Preset("measured", launch_s=np.float32(1e-5), h2d_bytes_per_s=np.int64(25_000_000_000))
+    assert type(preset.launch_s) is float and preset.h2d_bytes_per_s == 25e9
+    with pytest.raises(ValueError, match="h2d_latency_s must be a finite number"):
+        Preset("measured", h2d_latency_s=True)
+
+
 @pytest.mark.parametrize("platform", ["", "my dev", "Emu2"])
 def test_a_platform_name_is_a_lowercase_identifier(platform):
     with pytest.raises(ValueError, match="must be a lowercase identifier"):
