@@ -208,6 +208,18 @@ def test_model_checkpoint_sees_what_another_run_saved_since_it_last_looked(tmp_p
     assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [3, 6]
 
 
+def test_looking_at_the_latest_step_during_a_run_sees_its_saves_and_keeps_keep_last(tmp_path):
+    checkpoint, seen = ModelCheckpoint(tmp_path, keep_last=2), []
+
+    class Looks(Callback):
+        def on_epoch_end(self, run):  # after the checkpoint's own: its save may be in flight
+            seen.append((run.step, checkpoint.latest_step()))
+
+    new_model().train(4, blobs(3), callbacks=[checkpoint, Looks()])
+    assert seen == [(3, 3), (6, 6), (9, 9), (12, 12)]
+    assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [9, 12]
+
+
 def test_a_save_asked_for_by_a_callback_keeps_a_non_finite_state_out_too(tmp_path):
     checkpoint = ModelCheckpoint(tmp_path, keep_last=1)
 

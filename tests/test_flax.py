@@ -190,3 +190,19 @@ def test_a_checkpoint_keeps_model_state_and_key_and_resumes_exactly(tmp_path):
         jax.tree.leaves(resumed.state[:4]), jax.tree.leaves(whole.state[:4]), strict=True
     ):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("key", [jax.random.key(9), None])  # eval draws no key: may have none
+def test_an_eval_only_model_restores_batch_stats_from_a_training_checkpoint(tmp_path, key):
+    pytest.importorskip("orbax.checkpoint")
+    _, _, apply, params, model_state = linen()
+    data = batches()
+    trained = Model(apply, params, cross_entropy, optax.adamw(0.01), model_state=model_state,
+                    rng=jax.random.key(5))  # fmt: skip
+    trained.train(1, data, [sinkax.train.ModelCheckpoint(tmp_path)])
+    evaluating = Model(apply, params, cross_entropy, model_state=model_state, rng=key)
+    assert evaluating.restore(tmp_path)["step"] == 8
+    restored, saved = evaluating.state.model_state, trained.state.model_state
+    jax.tree.map(np.testing.assert_array_equal, restored, saved)
+    assert evaluating.state.opt_state is None and (evaluating.state.rng is None) == (key is None)
+    assert evaluating.eval(data) == trained.eval(data)

@@ -8,6 +8,7 @@ restored only into a state of the same layout (:func:`layout`).
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -112,12 +113,13 @@ class ModelCheckpoint(Callback):
             self._manager = None
 
     def latest_step(self) -> int | None:
-        """The global step of the newest checkpoint, or ``None`` if there is none (read from
-        the directory now: another run may have saved since)."""
+        """The global step of the newest checkpoint, or ``None`` if there is none (outside a run
+        read from the directory now: another run may have saved since)."""
         if not os.path.isdir(self.directory):
             return None
         manager = self._open()
-        manager.reload()
+        if not self._in_run:  # in one, its own saves may be in flight: orbax's list has them
+            manager.reload()
         return manager.latest_step()
 
     def on_train_begin(self, run: RunContext) -> None:
@@ -130,6 +132,7 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint cannot write to {self.directory} ({error.strerror}): give a "
                 "directory that can be created and written."
             ) from error
+        self._close()  # the directory read afresh: another run may have saved since
         latest = self.latest_step()
         if latest is not None and latest > run.step:
             raise ValueError(
@@ -218,9 +221,11 @@ class ModelCheckpoint(Callback):
                     "ModelCheckpoint saved into, or save into an empty one."
                 ) from None
             eval_only = isinstance(like, TrainState) and like.opt_state is None
+            # an eval-only state takes neither the optimizer state nor, if it has none, a key
+            left_out = ("opt_state", *(("rng",) if eval_only and like.rng is None else ()))
             problems = _layout_mismatch(saved_layout, layout(like))
-            if eval_only:  # the checkpoint's optimizer state is not restored
-                problems = [p for p in problems if not p.startswith(".opt_state")]
+            if eval_only:
+                problems = [p for p in problems if re.match(r"\.?(\w*)", p)[1] not in left_out]
             if problems:
                 more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
                 raise ValueError(
@@ -234,7 +239,7 @@ class ModelCheckpoint(Callback):
                 return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
 
             if eval_only:
-                fields = {k: v for k, v in like._asdict().items() if k != "opt_state"}
+                fields = {k: v for k, v in like._asdict().items() if k not in left_out}
                 item = ocp.args.PyTreeRestore(jax.tree.map(abstract, fields), partial_restore=True)
                 restored = self._open().restore(step, args=ocp.args.Composite(state=item))
                 return like._replace(**restored["state"]), meta
