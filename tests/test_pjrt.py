@@ -471,3 +471,15 @@ def test_a_read_back_counts_the_bytes_its_transfer_counted(emu, counting):
     np.asarray(on_device(host, emu))
     moved = pjrt.interactions() - before
     assert moved.h2d_bytes == moved.d2h_bytes == 500
+
+
+def test_a_copy_into_a_host_memory_kind_is_read_no_sooner_than_its_read_back_costs(emu):
+    pjrt.set_costs(Preset("slow read-back", d2h_latency_s=0.2))
+    try:
+        on_device_memory = on_device(np.ones(1024, np.float32), emu)
+        start = time.perf_counter()
+        pinned = jax.sharding.SingleDeviceSharding(emu, memory_kind="pinned_host")
+        np.asarray(jax.device_put(on_device_memory, pinned))
+        assert time.perf_counter() - start >= 0.2  # (a bound from below: a wait is no shorter)
+    finally:
+        pjrt.set_costs(os.environ.get("SINKAX_TEST_PRESET", "pcie4-x16"))

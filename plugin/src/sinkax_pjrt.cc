@@ -97,13 +97,21 @@ void wait_until(Clock::time_point when) {
 
 // ---- modelled readiness of device buffers --------------------------------------------------
 std::mutex timeline_mutex;
-std::unordered_map<PJRT_Buffer*, Clock::time_point> arrives;  // buffers still "in flight"
+// A buffer whose data arrives later than the inner plugin makes it: at `not_before` at the
+// earliest, and `after_inner` after the inner buffer is ready (a read-back's cost, counted from
+// the compute that makes its source).
+struct Arrival {
+  Clock::time_point not_before{};
+  Nanos after_inner{0};
+  bool pending() const { return not_before > Clock::now() || after_inner > Nanos(0); }
+};
+std::unordered_map<PJRT_Buffer*, Arrival> arrives;  // buffers still "in flight"
 Clock::time_point h2d_engine_free;
 
-Clock::time_point arrival(PJRT_Buffer* buffer) {
+Arrival arrival(PJRT_Buffer* buffer) {
   std::lock_guard<std::mutex> lock(timeline_mutex);
   auto it = arrives.find(buffer);
-  return it == arrives.end() ? Clock::time_point{} : it->second;
+  return it == arrives.end() ? Arrival{} : it->second;
 }
 
 // ---- delayed events ----------------------------------------------------------------------------
@@ -283,11 +291,12 @@ void untrack(PJRT_Buffer* buffer) {
   buffer_bytes.erase(it);
 }
 
-// Whether `buffer` lies in device memory (memory kind "device"), not in one of the host memory
-// kinds a device offers (pinned_host, unpinned_host): only device memory is counted and charged.
+// Whether `buffer` lies in device memory, not in one of the host memory kinds a device offers
+// (pinned_host, unpinned_host: named *_host): only device memory is counted and charged.
 // A plugin that does not say is taken to have device memory only.
 bool in_device_memory(PJRT_Buffer* buffer) {
-  if (!inner->PJRT_Buffer_Memory || !inner->PJRT_Memory_Kind) return true;
+  // (read from the copied table, zero past the inner plugin's own: it may predate these slots)
+  if (!api->PJRT_Buffer_Memory || !api->PJRT_Memory_Kind) return true;
   PJRT_Buffer_Memory_Args memory{PJRT_Buffer_Memory_Args_STRUCT_SIZE, nullptr, buffer, nullptr};
   if (PJRT_Error* error = inner->PJRT_Buffer_Memory(&memory)) {
     forget(error);
@@ -298,7 +307,9 @@ bool in_device_memory(PJRT_Buffer* buffer) {
     forget(error);
     return true;
   }
-  return std::string(kind.kind, kind.kind_size) == "device";
+  std::string name(kind.kind, kind.kind_size);  // "device"; a plugin may name its own otherwise
+  const std::string host = "_host";  // pinned_host, unpinned_host
+  return name.size() < host.size() || name.compare(name.size() - host.size(), host.size(), host);
 }
 
 // The bytes of `buffer`'s data, from its shape (asking a pending buffer its size would wait).
@@ -422,7 +433,7 @@ void arrived_by_h2d(PJRT_Buffer* buffer, uint64_t bytes, Clock::time_point ready
   std::lock_guard<std::mutex> lock(timeline_mutex);
   auto start = std::max({Clock::now(), h2d_engine_free, ready});
   h2d_engine_free = start + transfer_time(c.h2d_latency_s, c.h2d_bytes_per_s, bytes);
-  arrives[buffer] = h2d_engine_free;
+  arrives[buffer] = Arrival{h2d_engine_free};
 }
 
 PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
@@ -444,12 +455,12 @@ PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
 void copied(PJRT_Buffer* src, PJRT_Buffer* dst) {
   bool from_device = in_device_memory(src), to_device = in_device_memory(dst);
   uint64_t bytes = byte_size(dst);
-  auto ready = arrival(src);
+  auto ready = arrival(src).not_before;
   if (to_device && !from_device) return arrived_by_h2d(dst, bytes, ready);
   if (to_device) {
     track(dst, static_cast<int64_t>(bytes));
     std::lock_guard<std::mutex> lock(timeline_mutex);
-    if (ready > Clock::now()) arrives[dst] = ready;
+    if (ready > Clock::now()) arrives[dst] = Arrival{ready};
     return;
   }
   if (!from_device) return;
@@ -459,7 +470,7 @@ void copied(PJRT_Buffer* src, PJRT_Buffer* dst) {
   Costs c = current_costs();
   std::lock_guard<std::mutex> lock(timeline_mutex);
   auto cost = transfer_time(c.d2h_latency_s, c.d2h_bytes_per_s, bytes);
-  arrives[dst] = std::max(Clock::now(), ready) + cost;
+  arrives[dst] = Arrival{ready + cost, cost};  // after the source's compute, too
 }
 
 PJRT_Error* CopyToDevice(PJRT_Buffer_CopyToDevice_Args* args) {
@@ -491,7 +502,8 @@ PJRT_Error* BufferDestroy(PJRT_Buffer_Destroy_Args* args) {
 PJRT_Error* BufferReadyEvent(PJRT_Buffer_ReadyEvent_Args* args) {
   PJRT_Error* error = inner->PJRT_Buffer_ReadyEvent(args);
   auto when = arrival(args->buffer);
-  if (!error && when > Clock::now()) args->event = delay_event(args->event, when, Nanos(0));
+  if (!error && when.pending())
+    args->event = delay_event(args->event, when.not_before, when.after_inner);
   return error;
 }
 
@@ -517,7 +529,7 @@ PJRT_Error* Execute(PJRT_LoadedExecutable_Execute_Args* args) {
     Clock::time_point inputs_ready{};
     for (size_t d = 0; d < args->num_devices; ++d)
       for (size_t i = 0; i < args->num_args; ++i)
-        inputs_ready = std::max(inputs_ready, arrival(args->argument_lists[d][i]));
+        inputs_ready = std::max(inputs_ready, arrival(args->argument_lists[d][i]).not_before);
     wait_until(inputs_ready);
     Costs c = current_costs();
     wait_until(Clock::now() + transfer_time(c.launch_s, 0, 0));
@@ -584,12 +596,18 @@ PJRT_Error* MemoryStats(PJRT_Device_MemoryStats_Args* args) {
 
 PJRT_Error* ToHostBuffer(PJRT_Buffer_ToHostBuffer_Args* args) {
   if (args->dst == nullptr) return inner->PJRT_Buffer_ToHostBuffer(args);  // a size query
-  if (!in_device_memory(args->src)) return inner->PJRT_Buffer_ToHostBuffer(args);  // host kinds
+  if (!in_device_memory(args->src)) {  // a host kind: read once its data has arrived
+    auto when = arrival(args->src);
+    PJRT_Error* error = inner->PJRT_Buffer_ToHostBuffer(args);
+    if (!error && when.pending())
+      args->event = delay_event(args->event, when.not_before, when.after_inner);
+    return error;
+  }
   uint64_t bytes = byte_size(args->src);  // packed, as a transfer to the device counts them
   if (bytes == 0) bytes = args->dst_size;
   counters[kD2H].fetch_add(1, std::memory_order_relaxed);
   counters[kD2HBytes].fetch_add(bytes, std::memory_order_relaxed);
-  auto arrived = arrival(args->src);
+  auto arrived = arrival(args->src).not_before;
   PJRT_Error* error = inner->PJRT_Buffer_ToHostBuffer(args);
   if (error || !costs_on.load(std::memory_order_relaxed)) return error;
   Costs c = current_costs();
@@ -750,8 +768,8 @@ SINKAX_EXPORT const PJRT_Api* GetPjrtApi() {
   api->PJRT_Buffer_ReadyEvent = BufferReadyEvent;
   api->PJRT_LoadedExecutable_Execute = Execute;
   api->PJRT_Buffer_ToHostBuffer = ToHostBuffer;
-  if (inner->PJRT_Buffer_CopyToDevice) api->PJRT_Buffer_CopyToDevice = CopyToDevice;
-  if (inner->PJRT_Buffer_CopyToMemory) api->PJRT_Buffer_CopyToMemory = CopyToMemory;
+  if (api->PJRT_Buffer_CopyToDevice) api->PJRT_Buffer_CopyToDevice = CopyToDevice;
+  if (api->PJRT_Buffer_CopyToMemory) api->PJRT_Buffer_CopyToMemory = CopyToMemory;
   api->PJRT_Event_Destroy = EventDestroy;
   api->PJRT_Event_IsReady = EventIsReady;
   api->PJRT_Event_Error = EventError;
