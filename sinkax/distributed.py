@@ -198,6 +198,14 @@ def own_position(saved: dict[str, Any]) -> dict[str, Any]:
     positions = saved.get("processes", [saved])
     if len(positions) == jax.process_count():
         return positions[jax.process_index()]
+    if any(key in p["source"] for p in positions for key in _BATCHED_BY_PROCESS):
+        raise ValueError(
+            f"This checkpoint holds the data position of {len(positions)} process(es) over a "
+            "dataset that batches each process's records itself (a grain DataLoader or "
+            f"IterDataset: it saved its iterator's state), and this job has "
+            f"{jax.process_count()}: its global batches would be others, so no position in "
+            f"them is exact. Resume it with {len(positions)} process(es)."
+        )
     shared = [_global_position(position) for position in positions]
     if any(position != shared[0] for position in shared):
         raise ValueError(
@@ -210,7 +218,8 @@ def own_position(saved: dict[str, Any]) -> dict[str, Any]:
     return shared[0]
 
 
-_PER_PROCESS = ("fingerprint", FIRST_BATCH, "iterator", "iterator_base64")  # its own batches
+_BATCHED_BY_PROCESS = ("iterator", "iterator_base64")  # a loader's: its batches, its own
+_PER_PROCESS = ("fingerprint", FIRST_BATCH, *_BATCHED_BY_PROCESS)  # its own batches
 
 
 def _global_position(position: dict[str, Any]) -> dict[str, Any]:

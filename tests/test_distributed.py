@@ -60,6 +60,18 @@ def test_positions_of_another_number_of_processes_continue_the_global_batches():
         distributed.own_position({"processes": [position, loader]})
 
 
+@pytest.mark.parametrize("key", ["iterator", "iterator_base64"])
+def test_a_loaders_position_resumes_only_with_as_many_processes(monkeypatch, key):
+    source = {"epoch": 0, "step": 3, key: "its own batches"}  # a DataLoader's, say
+    saved = distributed.shared_position({"epoch": 0, "step": 3, "source": source})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # a job of 2 resumes one of 1
+    with pytest.raises(ValueError, match="batches each process's records itself"):
+        distributed.own_position(saved)
+    monkeypatch.setattr(jax, "process_count", lambda: 3)  # and of 3 one of 2, though alike
+    with pytest.raises(ValueError, match=r"Resume it with 2 process\(es\)"):
+        distributed.own_position({"processes": [saved, saved]})
+
+
 def test_local_rows_refuses_an_uneven_split(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 3)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
