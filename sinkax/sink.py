@@ -28,7 +28,7 @@ from sinkax.config import SinkConfig, known_options
 from sinkax.errors import SinkClosedError
 from sinkax.execution import guard
 from sinkax.execution.executor import NO_STATE, Executor
-from sinkax.pytree import copy_tree, layout
+from sinkax.pytree import copy_tree
 from sinkax.stats import SinkStats
 
 
@@ -116,19 +116,20 @@ class Sink:
             interrupt.deliver_held()  # a Ctrl-C held back by the last call stops this one first
             arrays, static = executor.select(state)
             cursor.resync()  # an interrupted call took data it never delivered: rewind
-            carry = executor.place(arrays, cursor.first_spec)
             if not self._compared:  # with the next dispatch, across processes
                 self._peers.include(
                     lambda: {
                         "batch": str(cursor.first_spec().abstract),
-                        "state": str(layout(carry)),
+                        "state": str(jax.tree.map(jax.typeof, arrays)),
                         "strategy": executor.strategy_name,
                     }
                 )
                 self._compared = True
             cursor.begin()
+            carry = None  # placed once every process has its data: placing may be a collective
             while True:
                 data, piece, offset = cursor.next_piece(self._peers.agree)
+                carry = executor.place(arrays, cursor.first_spec) if carry is None else carry
                 if state is not NO_STATE and executor.jit and not parts:  # the caller's state
                     # must stay valid: donated only where one dispatch is the whole call
                     if cursor.ends_call(piece, ahead=True) and executor.atomic:
@@ -284,8 +285,7 @@ def data_sink(
       fn: ``fn(state, batch) -> (state, out)``, called as ``sink(state)``; or, stateless (eval,
         predict), ``fn(batch) -> out``, called as ``sink()``.
       dataset: a grain ``MapDataset``/``IterDataset``/``DataLoader`` or any re-iterable of
-        pytrees of arrays; one pass is one epoch. Every batch must match the first in
-        structure, shape and dtype.
+        pytrees of arrays; one pass is one epoch. Every batch has the first's tree, shapes, dtypes.
       sink_size: steps per call; ``-1`` is one epoch per call (needs a dataset of known length);
         ``"auto"`` sizes each call to last about ``call_seconds``, never past an epoch's end
         (see :mod:`sinkax.channel.sizing`). Else the data is traversed endlessly.

@@ -104,6 +104,8 @@ def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
             step, data, args.sink_size, data_state=data_state, **options, **known
         )
         with sink:
+            if args.fail_before_call == jax.process_index():
+                raise RuntimeError("failed between making its sink and calling it")
             for call in range(calls):
                 if (jax.process_index(), call) == (args.stop_process, args.stop_at):
                     os.kill(os.getpid(), signal.SIGKILL) if args.kill else stop(args.stop_for)
@@ -198,6 +200,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-process", type=int, default=None)
     parser.add_argument("--fail-at", type=int, default=None)
     parser.add_argument("--absent-process", type=int, default=None)
+    parser.add_argument("--fail-before-call", type=int, default=None, help="this process fails")
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--delays", type=float, nargs="+", default=None, help="s/batch, each")
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=None, help="each process's")
@@ -222,6 +225,10 @@ def main(argv: list[str]) -> None:
     fail_at = args.fail_at if args.fail_process == jax.process_index() else None
     delay = args.delays[jax.process_index()] if args.delays else 0.0
     data = LocalBatches(jax.process_index(), jax.process_count(), fail_at, delay)
+    if args.fail_before_call is not None:  # the processes' collectives are set up already
+        from jax.experimental import multihost_utils
+
+        multihost_utils.process_allgather(np.zeros(1, np.float32))
     started = time.monotonic()
     result: dict = {"devices": jax.device_count(), "processes": jax.process_count()}
     try:

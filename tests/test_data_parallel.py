@@ -133,6 +133,13 @@ def test_a_process_that_never_makes_the_sink_fails_the_other_in_bounded_time(job
     assert "Process 1 did not create this sink within 4.0 s" in results[0]["message"]
 
 
+def test_a_process_that_fails_before_its_first_call_fails_the_other_in_bounded_time(job):
+    # the first call places the state over both processes: only once they agreed to dispatch
+    results = job(2, 2, "--timeout", "2", "--fail-before-call", "1")
+    assert results[1]["message"] == "failed between making its sink and calling it"
+    assert results[0]["error"] == "PeerTimeoutError" and results[0]["failed_after_s"] < 20
+
+
 def test_processes_at_different_speeds_run_the_same_chunks(job):
     # one process waits 20 ms for each batch, the other none: a waiting consumer must not cut
     # its chunks elsewhere than the other's (their offsets meet in the same collectives)

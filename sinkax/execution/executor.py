@@ -172,6 +172,8 @@ class Executor:
             self.compiler.check_captures()
         stateful = state is not NO_STATE
         arrays, static = self._partition(state) if stateful else ((), None)
+        if arrays is not self._returned:  # refused here, before any data is taken
+            check_alive(arrays)
         if self._stateful is None:
             check_step_form(self.fn, stateful)
             self._static = static
@@ -233,7 +235,6 @@ class Executor:
     def _place(self, state: Any, batch_spec: Callable[[], BatchSpec]) -> Any:
         if state is self._returned or not self._stateful:
             return state
-        check_alive(state)
         state = placement.place_state(state, self._sharding)
         if not self.jit:
             return state
