@@ -72,6 +72,16 @@ def platform(sharding: Sharding) -> str:
     return next(iter(sharding.device_set)).platform
 
 
+def describe(sharding: Sharding) -> str:
+    """``sharding`` and its devices in order, which its ``str`` leaves out: what the processes
+    of a job compare (a mesh of the same devices in another order runs other collectives)."""
+    if isinstance(sharding, NamedSharding):
+        ids = [device.id for device in sharding.mesh.devices.flat]
+    else:
+        ids = sorted(device.id for device in sharding.device_set)
+    return f"devices {ids} in order, {sharding}"
+
+
 def stacked(sharding: Sharding) -> Sharding:
     """The sharding of batches stacked on a new leading axis, each placed as ``sharding``."""
     if isinstance(sharding, NamedSharding):

@@ -36,7 +36,8 @@ def _shaping(config: SinkConfig) -> dict[str, Any]:
     """The options that shape a sink's compiled programs and chunks, as the processes of a job
     compare them (:class:`~sinkax.peers.Peers`)."""
     shaping = ("sink_size", "jit", "strategy", "max_chunk_bytes", "calls", "ragged_last")
-    return {**{name: getattr(config, name) for name in shaping}, "mesh": str(config.sharding)}
+    mesh = placement.describe(config.sharding)
+    return {**{name: getattr(config, name) for name in shaping}, "mesh": mesh}
 
 
 _BUSY = (
@@ -299,9 +300,8 @@ def data_sink(
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds without a single new batch from the dataset before a waiting call
         raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out).
-      device: where data and compute go: a ``jax.Device`` or a target name (``"CPU"``,
-        ``"GPU"``, ``"Ascend"``, ``"Emulated"``, or a platform name such as ``"cpu"``); default
-        from the context.
+      device: where data and compute go: a ``jax.Device`` or a target name (``"CPU"``, ``"GPU"``,
+        ``"Ascend"``, ``"Emulated"``, or a platform such as ``"cpu"``); default from the context.
       sharding: instead of ``device``, a ``jax.sharding.Sharding`` of one batch, e.g.
         ``NamedSharding(mesh, P("data"))`` to split the batch axis over the mesh's devices (data
         parallelism; the state is replicated unless already placed on those devices, and then

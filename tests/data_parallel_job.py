@@ -201,6 +201,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-at", type=int, default=None)
     parser.add_argument("--absent-process", type=int, default=None)
     parser.add_argument("--fail-before-call", type=int, default=None, help="this process fails")
+    parser.add_argument("--reorder-mesh", type=int, default=None, help="this process's mesh")
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--delays", type=float, nargs="+", default=None, help="s/batch, each")
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=None, help="each process's")
@@ -235,7 +236,15 @@ def main(argv: list[str]) -> None:
         if args.absent_process == jax.process_index():  # makes no sink at all
             raise RuntimeError("absent")
         train = train_model if args.checkpoint else soak if args.soak else train_sink
-        state, steps = train(args, data, sinkax.distributed.batch_sharding(), result)
+        sharding = sinkax.distributed.batch_sharding()
+        if args.reorder_mesh == jax.process_index():  # its devices in another order
+            mesh = sharding.mesh
+            devices = np.roll(mesh.devices, 2)
+            sharding = jax.sharding.NamedSharding(
+                jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types),
+                sharding.spec,
+            )
+        state, steps = train(args, data, sharding, result)
     except Exception as error:  # reported, for the test to check on every process
         result["error"] = type(error).__name__
         result["failed_after_s"] = time.monotonic() - result.get("call_started", started)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -138,6 +139,13 @@ def test_a_process_that_fails_before_its_first_call_fails_the_other_in_bounded_t
     results = job(2, 2, "--timeout", "2", "--fail-before-call", "1")
     assert results[1]["message"] == "failed between making its sink and calling it"
     assert results[0]["error"] == "PeerTimeoutError" and results[0]["failed_after_s"] < 20
+
+
+def test_processes_whose_meshes_order_the_devices_otherwise_fail_with_a_value_error(job):
+    results = job(2, 2, "--timeout", "10", "--reorder-mesh", "1")
+    for result in results:
+        assert result["error"] == "ValueError", result
+        assert re.search(r'mesh: process \d has "devices \[[\d, ]+\] in order', result["message"])
 
 
 def test_processes_at_different_speeds_run_the_same_chunks(job):
