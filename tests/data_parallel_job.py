@@ -93,6 +93,13 @@ def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
     import sinkax
 
     options = dict(strategy=args.strategy, sharding=sharding, timeout=args.timeout)
+    if args.progress:  # the steps this process's hook was told of
+        result["progress_steps"] = 0
+
+        def told(steps, out):
+            result["progress_steps"] += steps
+
+        options.update(progress=told, progress_every=2)
     if args.chunk_bytes is not None:
         options["max_chunk_bytes"] = args.chunk_bytes[jax.process_index()]
     ids, state, data_state = [], initial_state(), None
@@ -202,6 +209,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--absent-process", type=int, default=None)
     parser.add_argument("--fail-before-call", type=int, default=None, help="this process fails")
     parser.add_argument("--reorder-mesh", type=int, default=None, help="this process's mesh")
+    parser.add_argument("--progress", action="store_true", help="count the progress reports")
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--delays", type=float, nargs="+", default=None, help="s/batch, each")
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=None, help="each process's")

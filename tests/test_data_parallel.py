@@ -148,6 +148,12 @@ def test_processes_whose_meshes_order_the_devices_otherwise_fail_with_a_value_er
         assert re.search(r'mesh: process \d has "devices \[[\d, ]+\] in order', result["message"])
 
 
+def test_every_process_is_told_of_every_step_by_its_progress_hook(job):
+    results = job(2, 2, "--calls", "3", "--sink-size", "5", "--strategy", "scan", "--progress")
+    check_training(results, steps=15, devices=4, processes=2)
+    assert [result["progress_steps"] for result in results] == [15, 15]
+
+
 def test_processes_at_different_speeds_run_the_same_chunks(job):
     # one process waits 20 ms for each batch, the other none: a waiting consumer must not cut
     # its chunks elsewhere than the other's (their offsets meet in the same collectives)

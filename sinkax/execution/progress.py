@@ -6,9 +6,10 @@ reports every ``k``-th step from the device while it runs, asynchronously
 (:func:`~sinkax.execution.programs.reporting_scan_program`); the steps no device report covers
 -- a window's last ``steps % k``, every step of another strategy (``"loop"``, ``"step"``,
 eager) or of a platform without host callbacks (the emulated device: a warning says so) -- are
-reported from the host when the call returns. So the reports add up to every step the sink ran;
-the host's may come before the device's of the same call. Off (the default), the sink compiles
-its plain programs.
+reported from the host when the call returns; across ``jax.distributed`` processes, every step
+is (a device report would reach one process only). So the reports add up to every step the
+sink ran; the host's may come before the device's of the same call. Off (the default), the
+sink compiles its plain programs.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class Progress:
 
     def __init__(self, hook: Hook, every: int, backend: Backend):
         self.hook, self.every = hook, int(every)
-        self.on_device = backend.python_callbacks
-        if not self.on_device:
+        # across processes a device report reaches only the process of the first device
+        self.on_device = backend.python_callbacks and jax.process_count() == 1
+        if not backend.python_callbacks:
             warn(_NO_CALLBACKS.format(platform=backend.platform), RuntimeWarning)
         self._token = next(_tokens)
         _live[self._token] = self
