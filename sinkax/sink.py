@@ -69,10 +69,9 @@ class Sink:
             if guard.watcher(config.stop_if_nonfinite) and not source.rereadable:
                 raise ValueError(
                     "stop_if_nonfinite needs a dataset the sink can read again from the batch "
-                    "where a step was not finite (its producer reads ahead), but this one is a "
-                    "one-shot iterator (iter() of it gives itself, as for a generator). Give a "
-                    "re-iterable: a list, a grain MapDataset/IterDataset/DataLoader, or an "
-                    "object whose __iter__ starts a new pass."
+                    "where a step was not finite (it reads ahead); this one is a one-shot "
+                    "iterator (iter() of it gives itself, like a generator). Give a list, a "
+                    "grain dataset or DataLoader, or an object whose __iter__ starts a new pass."
                 )
             steps = config.check_length(source.epoch_length, dataset)
             start = None if data_state is None else DataPosition.from_dict(data_state)
@@ -85,10 +84,11 @@ class Sink:
                 epoch_length=source.epoch_length,
                 recorded_strategy=recorded,
             )
-            feed = self._executor.feed
-            self._cursor = Cursor(source, config, feed=feed, data_state=start)
-        except Exception:  # bad options or data_state, or processes that disagree
+            self._cursor = Cursor(source, config, feed=self._executor.feed, data_state=start)
+        except Exception as error:  # bad options or data_state, or processes that disagree
             source.close()
+            if hasattr(self, "_peers"):  # made: the others learn of it (PeerError), not wait
+                self._peers.fail(error)
             raise
         self._running = self._closed = self._compared = False
         self.nonfinite: guard.NonFinite | None = None  # where the last call stopped, if it did

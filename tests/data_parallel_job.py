@@ -106,6 +106,8 @@ def train_sink(args, data, sharding, result: dict) -> tuple[dict, int]:
     for calls in (args.calls, args.resume_calls):
         if not calls:
             continue
+        if data_state and args.other_data_on_resume == jax.process_index():
+            data = [{**batch, "x": -batch["x"]} for batch in data]  # a replay that differs
         known = {"calls": calls} if args.known_calls else {}
         sink = sinkax.data_sink(
             step, data, args.sink_size, data_state=data_state, **options, **known
@@ -210,6 +212,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-before-call", type=int, default=None, help="this process fails")
     parser.add_argument("--reorder-mesh", type=int, default=None, help="this process's mesh")
     parser.add_argument("--progress", action="store_true", help="count the progress reports")
+    parser.add_argument("--other-data-on-resume", type=int, default=None, help="this process's")
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--delays", type=float, nargs="+", default=None, help="s/batch, each")
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=None, help="each process's")

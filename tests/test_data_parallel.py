@@ -154,6 +154,14 @@ def test_every_process_is_told_of_every_step_by_its_progress_hook(job):
     assert [result["progress_steps"] for result in results] == [15, 15]
 
 
+def test_a_sink_that_one_process_fails_to_make_fails_the_others_by_name(job):
+    args = ["--timeout", "10", "--calls", "1", "--resume-calls", "1", "--sink-size", "2"]
+    results = job(2, 2, *args, "--other-data-on-resume", "1")
+    assert results[1]["error"] == "ReplayDiffersError"
+    assert results[0]["error"] == "PeerError" and "ReplayDiffersError" in results[0]["message"]
+    assert results[0]["failed_after_s"] < 10  # told, not timed out
+
+
 def test_processes_at_different_speeds_run_the_same_chunks(job):
     # one process waits 20 ms for each batch, the other none: a waiting consumer must not cut
     # its chunks elsewhere than the other's (their offsets meet in the same collectives)
