@@ -153,16 +153,22 @@ def partition(state: Any) -> tuple[Any, Static | None]:
     return jax.tree.unflatten(treedef, holes), static
 
 
-@jax.jit
 def copy_tree(tree: Any) -> Any:
-    """A fresh copy of every leaf, in one dispatch: what a donating call may consume while the
-    original stays valid.
+    """A fresh copy of every leaf, in one dispatch (one per leaf where the leaves lie on
+    different devices, some over a mesh and some on one device, say): what a donating call may
+    consume while the original stays valid.
 
     >>> x = jnp.ones(3); y = copy_tree(x)
     >>> y.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
     True
     """
-    return jax.tree.map(jnp.copy, tree)
+    try:
+        return _copy_together(tree)
+    except ValueError:  # jit takes arguments on one set of devices only
+        return jax.tree.map(jnp.copy, tree)
+
+
+_copy_together = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:

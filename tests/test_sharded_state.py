@@ -37,3 +37,43 @@ def test_a_sharded_state_stays_sharded_through_a_sink(devices, mesh, strategy):
     assert result["per_device"] < 1.1 * result["replicated"] / devices  # about 1/N per device
     assert result["live"] <= 1.05 * result["per_device"]  # and no replicated copy kept alive
     assert result["max_error"] < 1e-5  # trains as plain jitted steps on one device do
+
+
+MODEL_JOB = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import sinkax
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+rows = NamedSharding(mesh, P("data"))
+data = [{"image": np.random.default_rng(i).normal(size=(8, 8)).astype(np.float32),
+         "label": np.arange(8, dtype=np.int32) % 2} for i in range(4)]
+def model():
+    params = {"w": jax.device_put(jnp.zeros((8, 2)), rows), "b": jnp.zeros(2)}
+    return sinkax.Model(lambda p, x: x @ p["w"] + p["b"], params, sinkax.train.cross_entropy,
+                        optax.adam(0.1), sink_options={"sharding": rows})
+def spec(x):
+    return str(getattr(x.sharding, "spec", type(x.sharding).__name__))
+first, seen = model(), {}
+seen["made"] = spec(first.params["w"])
+first.train(1, data, [sinkax.ModelCheckpoint(sys.argv[1])], sink_size=2)
+seen["trained"] = spec(first.params["w"])
+resumed = model()
+resumed.train(2, data, resume_from=sys.argv[1], sink_size=2)
+seen["resumed"] = spec(resumed.params["w"])
+seen["resumed moments"] = spec(resumed.state.opt_state[0].mu["w"])
+print(json.dumps(seen))
+"""
+
+
+def test_a_models_sharded_params_stay_sharded_through_training_and_resume(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", MODEL_JOB, str(tmp_path / "checkpoints")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(seen.values()) == {"P('data',)"}, seen
