@@ -171,13 +171,20 @@ def shared_position(data_state: dict[str, Any], timeout: float = 300.0) -> dict[
     client, me = compat.coordination_client(), jax.process_index()
     key = f"sinkax/position{next(_position_numbers)}"
     client.key_value_set(f"{key}/{me}", json.dumps(data_state))
-    positions = [
-        data_state
-        if p == me
-        else json.loads(client.blocking_key_value_get(f"{key}/{p}", int(timeout * 1000)))
-        for p in range(jax.process_count())
-    ]
+    every = range(jax.process_count())
+    positions = [data_state if p == me else _position_of(client, key, p, timeout) for p in every]
     return {"processes": positions}
+
+
+def _position_of(client: Any, key: str, process: int, timeout: float) -> dict[str, Any]:
+    try:
+        return json.loads(client.blocking_key_value_get(f"{key}/{process}", int(timeout * 1000)))
+    except Exception as error:  # the coordination service's DEADLINE_EXCEEDED
+        raise peers.PeerTimeoutError(
+            f"Process {process} did not share its data position within {timeout:.1f} s, for a "
+            "checkpoint every process saves: it is stuck, gone, or failed (its own error says "
+            "why). Every process must run the same callbacks and save the same checkpoints."
+        ) from error
 
 
 def own_position(saved: dict[str, Any]) -> dict[str, Any]:

@@ -176,6 +176,7 @@ def stop(seconds: float) -> None:
 def train_model(args, data, sharding, result: dict) -> tuple[dict, int]:
     """``Model.train`` up to epoch ``--epochs`` of ``--sink-size`` steps, checkpointing each into
     ``--checkpoint`` and resuming from it when it holds one."""
+    import jax
     import jax.numpy as jnp
     import optax
 
@@ -192,7 +193,15 @@ def train_model(args, data, sharding, result: dict) -> tuple[dict, int]:
     )
     checkpoint = sinkax.ModelCheckpoint(args.checkpoint)
     resume = checkpoint if checkpoint.latest_step() is not None else None
-    run = model.train(args.epochs, data, [checkpoint], sink_size=args.sink_size, resume_from=resume)
+    callbacks = [checkpoint]
+    if args.fail_callback == jax.process_index():  # fails at the epoch's end, before the save
+
+        class Fails(sinkax.train.Callback):
+            def on_epoch_end(self, run):
+                raise RuntimeError("a callback failed")
+
+        callbacks.insert(0, Fails())
+    run = model.train(args.epochs, data, callbacks, sink_size=args.sink_size, resume_from=resume)
     result["saved_positions"] = checkpoint.restore(model.state)[1]["data_state"]
     return model.state.params, run.step
 
@@ -213,6 +222,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reorder-mesh", type=int, default=None, help="this process's mesh")
     parser.add_argument("--progress", action="store_true", help="count the progress reports")
     parser.add_argument("--other-data-on-resume", type=int, default=None, help="this process's")
+    parser.add_argument("--fail-callback", type=int, default=None, help="on this process")
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--delays", type=float, nargs="+", default=None, help="s/batch, each")
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=None, help="each process's")

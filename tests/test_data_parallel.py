@@ -162,6 +162,16 @@ def test_a_sink_that_one_process_fails_to_make_fails_the_others_by_name(job):
     assert results[0]["failed_after_s"] < 10  # told, not timed out
 
 
+def test_a_callback_failing_on_one_process_fails_the_others_checkpoint_in_bounded_time(
+    job, tmp_path
+):
+    args = ["--timeout", "2", "--checkpoint", str(tmp_path / "ck"), "--sink-size", "3"]
+    results = job(2, 2, *args, "--fail-callback", "1")
+    assert results[1]["message"] == "a callback failed"
+    assert results[0]["error"] == "PeerTimeoutError"
+    assert "Process 1 did not share its data position within 4.0 s" in results[0]["message"]
+
+
 def test_processes_at_different_speeds_run_the_same_chunks(job):
     # one process waits 20 ms for each batch, the other none: a waiting consumer must not cut
     # its chunks elsewhere than the other's (their offsets meet in the same collectives)

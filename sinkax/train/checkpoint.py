@@ -186,7 +186,7 @@ class ModelCheckpoint(Callback):
             "epoch": run.epoch if ended else run.epoch - 1,  # the epochs completed
             "step_in_epoch": 0 if ended else run.step_in_epoch,
             "step": run.step,
-            "data_state": distributed.shared_position(run.data_state()),
+            "data_state": distributed.shared_position(run.data_state(), 2 * run.helper.timeout),
             "layout": layout(state),
         }
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))

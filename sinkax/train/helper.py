@@ -120,6 +120,8 @@ class DatasetHelper:
         """Batches in one pass over the dataset, when known."""
         return self._connected().epoch_length
 
+    timeout = property(lambda self: self._connected().config.timeout, doc="The sink's timeout.")
+
     @property
     def one_call_epochs(self) -> bool:
         """Whether an epoch is one call (sink mode, ``sink_size > 0``), done once that call ran,
