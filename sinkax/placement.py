@@ -172,20 +172,6 @@ def place_state(state: Any, sharding: Sharding) -> Any:
     return jax.tree.map(place, state)
 
 
-def committed(state: Any, default: jax.Device, like: Any = None) -> Any:
-    """``state`` committed to devices: each leaf placed as in ``like`` (alike), or left where the
-    caller placed it (sharded over a mesh, say), else on ``default``."""
-
-    def place(leaf: Any, model: Any = None) -> Any:
-        if isinstance(model, jax.Array):
-            return jax.device_put(leaf, model.sharding)
-        if isinstance(leaf, jax.Array) and leaf.committed:
-            return leaf
-        return jax.device_put(leaf, default)
-
-    return jax.tree.map(place, state) if like is None else jax.tree.map(place, state, like)
-
-
 def memory(sharding: Sharding) -> dict[str, int | None]:
     """``device_bytes`` and ``peak_device_bytes`` of ``sharding``'s devices in this process,
     summed, from their ``memory_stats()``; ``None`` where a device reports none."""

@@ -179,3 +179,17 @@ def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     return treedef, tuple(
         (x.aval, x.sharding) if isinstance(x, jax.Array) else jax.typeof(x) for x in leaves
     )
+
+
+def committed(state: Any, default: jax.Device, like: Any = None) -> Any:
+    """``state`` committed to devices: each leaf placed as in ``like`` (alike), or left where the
+    caller placed it (sharded over a mesh, say), else on ``default``."""
+
+    def place(leaf: Any, model: Any = None) -> Any:
+        if isinstance(model, jax.Array):
+            return jax.device_put(leaf, model.sharding)
+        if isinstance(leaf, jax.Array) and leaf.committed:
+            return leaf
+        return jax.device_put(leaf, default)
+
+    return jax.tree.map(place, state) if like is None else jax.tree.map(place, state, like)

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sinkax import backend, context, distributed, placement
+from sinkax import backend, context, distributed
 from sinkax.config import AUTO
 from sinkax.errors import warn
-from sinkax.pytree import copy_tree
+from sinkax.pytree import committed, copy_tree
 from sinkax.train.callbacks import Callback, RunContext
 from sinkax.train.checkpoint import ModelCheckpoint
 from sinkax.train.evaluation import Evaluator
@@ -145,7 +145,7 @@ class Model:
                 params, optimizer, opt_state, model_state=model_state, rng=rng
             )
         # committed to devices, as every state a run returns: copying one compiles once
-        self.state = placement.committed(self.state, backend.default_device())
+        self.state = committed(self.state, backend.default_device())
         self._eval_step = make_eval_step(apply_fn, loss_fn, metrics=metrics, **keys)
         # one bound method for every eval: compiled executables are cached by step function
         self._eval_and_count = self._eval_and_count
@@ -316,7 +316,7 @@ class Model:
         if not isinstance(checkpoint, ModelCheckpoint):
             checkpoint = ModelCheckpoint(checkpoint)
         state, meta = checkpoint.restore(self.state, step)
-        state = placement.committed(state, backend.default_device(), like=self.state)
+        state = committed(state, backend.default_device(), like=self.state)
         meta["data_state"] = distributed.own_position(meta["data_state"])
         keys = ("epoch", "step", "step_in_epoch", "data_state")  # (older ones: no step_in_epoch)
         return state, {key: meta[key] for key in keys if key in meta}
