@@ -25,8 +25,8 @@ _NOT_ON_DEVICE = "USOMm"  # numpy kinds: str, bytes, object, datetime, timedelta
 _FIX = (
     "Every batch must match the first one. A smaller last batch usually means the dataset "
     "needs `batch(batch_size, drop_remainder=True)` (or padding, sinkax.datasets.PadBatch; "
-    "or, for one-step calls, ragged_last=True); a changed dtype needs an explicit cast in the "
-    "pipeline."
+    "or, for one-step calls on one device, ragged_last=True); a changed dtype needs an "
+    "explicit cast in the pipeline."
 )
 
 

@@ -100,5 +100,5 @@ def check_last_batch(dataset: Any) -> None:
             f"The evaluation dataset's last batch has {rows[1]} rows, its first {rows[0]}: in "
             "sink mode every batch has one shape. Pad it, so that every example counts: "
             f"`.map(sinkax.datasets.PadBatch({rows[0]}))` after the batching (its padding rows "
-            "are not counted), or evaluate with dataset_sink_mode=False."
+            "are not counted), or, on one device, evaluate with dataset_sink_mode=False."
         )
