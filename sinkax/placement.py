@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
@@ -80,6 +81,20 @@ def describe(sharding: Sharding) -> str:
     else:
         ids = sorted(device.id for device in sharding.device_set)
     return f"devices {ids} in order, {sharding}"
+
+
+def planned(state: Any, sharding: Sharding) -> str:
+    """What :func:`place_state` makes of ``state`` for the batch sharding ``sharding``, without
+    placing anything: each leaf's shape, dtype and sharding (with its devices in order). The
+    processes of a job compare it before a call places their states (a collective)."""
+    target = replicated(sharding)
+
+    def planned_leaf(leaf: Any) -> tuple[Any, ...]:
+        kept = isinstance(leaf, jax.Array) and leaf.sharding.device_set == sharding.device_set
+        where = leaf.sharding if kept else target
+        return np.shape(leaf), str(jnp.result_type(leaf)), describe(where)
+
+    return str(jax.tree.map(planned_leaf, state))
 
 
 def stacked(sharding: Sharding) -> Sharding:

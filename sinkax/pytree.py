@@ -183,12 +183,13 @@ def layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
 
 def committed(state: Any, default: jax.Device, like: Any = None) -> Any:
     """``state`` committed to devices: each leaf placed as in ``like`` (alike), or left where the
-    caller placed it (sharded over a mesh, say), else on ``default``."""
+    caller placed it over several devices (sharded over a mesh, say), else on ``default``: a
+    state never split over single devices."""
 
     def place(leaf: Any, model: Any = None) -> Any:
         if isinstance(model, jax.Array):
             return jax.device_put(leaf, model.sharding)
-        if isinstance(leaf, jax.Array) and leaf.committed:
+        if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
             return leaf
         return jax.device_put(leaf, default)
 

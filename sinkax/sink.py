@@ -121,7 +121,7 @@ class Sink:
                 self._peers.include(
                     lambda: {
                         "batch": str(cursor.first_spec().abstract),
-                        "state": str(jax.tree.map(jax.typeof, arrays)),
+                        "state": placement.planned(arrays, self.config.sharding),
                         "strategy": executor.strategy_name,
                     }
                 )

@@ -77,3 +77,40 @@ def test_a_models_sharded_params_stay_sharded_through_training_and_resume(tmp_pa
     assert done.returncode == 0, done.stderr[-4000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(seen.values()) == {"P('data',)"}, seen
+
+
+PLACING_JOB = """
+import json
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import sinkax
+from sinkax import placement
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+host = np.zeros(4, np.float32)
+seen = {
+    "as replicated": placement.planned({"w": host}, rows)
+    == placement.planned({"w": jax.device_put(host, whole)}, rows),
+    "as sharded": placement.planned({"w": host}, rows)
+    != placement.planned({"w": jax.device_put(host, rows)}, rows),
+}
+params = {"w": jax.device_put(jnp.zeros((4, 2)), jax.devices()[1]), "b": jnp.zeros(2)}
+model = sinkax.Model(lambda p, x: x @ p["w"] + p["b"], params, sinkax.train.cross_entropy,
+                     optax.adam(0.1))
+seen["one device"] = len({d for x in jax.tree.leaves(model.state) for d in x.devices()}) == 1
+jax.jit(lambda state: state)(model.state)  # a state split over devices fails here
+print(json.dumps(seen))
+"""
+
+
+def test_processes_compare_where_their_states_go_and_a_model_keeps_one_on_one_device():
+    done = subprocess.run(
+        [sys.executable, "-c", PLACING_JOB],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(seen.values()), seen
