@@ -199,6 +199,11 @@ def _one_shot(dataset: Any, iterator: Any) -> bool:
     return not inspect.isfunction(vars(owner)["__iter__"]) or owner.__module__ in _ABC_MODULES
 
 
+def _prefix_fingerprint(first: str | None, last: Any) -> str:
+    """What an epoch read so far is checked by: its first batch's fingerprint, its last batch."""
+    return f"{first}:{fingerprint(last)}"
+
+
 class IterableSource:
     """Any re-iterable: one pass is one epoch, iterated again for the next."""
 
@@ -268,12 +273,8 @@ class IterableSource:
             else:
                 state["iterator"] = saved
         elif self._fingerprinted and self.position.step > 0:  # a restore replays: check it
-            state["fingerprint"] = self._prefix_fingerprint()
+            state["fingerprint"] = _prefix_fingerprint(self._first, self._last)
         return state
-
-    def _prefix_fingerprint(self) -> str:
-        """Fingerprints of the first and the last batch read in this epoch."""
-        return f"{self._first}:{fingerprint(self._last)}"
 
     def check_state(self, state: Any) -> None:
         position = [state.get(key) for key in ("epoch", "step")] if isinstance(state, dict) else []
@@ -301,7 +302,7 @@ class IterableSource:
                 last = next(self)
                 first = fingerprint(last) if i == 0 else first
             saved_fingerprint = state.get("fingerprint")
-            if saved_fingerprint and saved_fingerprint != f"{first}:{fingerprint(last)}":
+            if saved_fingerprint and saved_fingerprint != _prefix_fingerprint(first, last):
                 raise ReplayDiffersError(
                     f"Resuming replayed the first {step} batches of epoch {epoch}, but they "
                     "differ from those the saved run read: the dataset reshuffles without a "
