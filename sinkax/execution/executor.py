@@ -93,7 +93,7 @@ class Executor:
         self._carry: Any = None  # guarded: the last call's carry, its `ok` flag included
         self._stopped = False  # guarded: this call stopped at a non-finite step
         self.progress = config.progress and Progress(
-            config.progress, config.progress_every, backend_of(config.sharding)
+            config.progress, config.progress_every, config.sharding
         )
 
     def _settle(self) -> None:

@@ -6,10 +6,10 @@ reports every ``k``-th step from the device while it runs, asynchronously
 (:func:`~sinkax.execution.programs.reporting_scan_program`); the steps no device report covers
 -- a window's last ``steps % k``, every step of another strategy (``"loop"``, ``"step"``,
 eager) or of a platform without host callbacks (the emulated device: a warning says so) -- are
-reported from the host when the call returns; across ``jax.distributed`` processes, every step
-is (a device report would reach one process only). So the reports add up to every step the
-sink ran; the host's may come before the device's of the same call. Off (the default), the
-sink compiles its plain programs.
+reported from the host when the call returns; over the devices of several ``jax.distributed``
+processes, every step is (a device report would reach one process only). So the reports add up
+to every step the sink ran; the host's may come before the device's of the same call. Off (the
+default), the sink compiles its plain programs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from sinkax.backend import Backend
+from sinkax.backend import backend_of
 from sinkax.errors import warn
 
 Hook = Callable[[int, Any], None]
@@ -57,12 +57,13 @@ def _report(token: int, every: int, out: Any) -> None:
 
 
 class Progress:
-    """A sink's progress hook (see the module docstring), on ``backend``."""
+    """A sink's progress hook (see the module docstring), for a sink placed by ``sharding``."""
 
-    def __init__(self, hook: Hook, every: int, backend: Backend):
+    def __init__(self, hook: Hook, every: int, sharding: jax.sharding.Sharding):
         self.hook, self.every = hook, int(every)
-        # across processes a device report reaches only the process of the first device
-        self.on_device = backend.python_callbacks and jax.process_count() == 1
+        backend = backend_of(sharding)
+        # over other processes' devices too, a device report reaches one process only
+        self.on_device = backend.python_callbacks and sharding.is_fully_addressable
         if not backend.python_callbacks:
             warn(_NO_CALLBACKS.format(platform=backend.platform), RuntimeWarning)
         self._token = next(_tokens)
