@@ -65,6 +65,7 @@ class Sink:
         source = as_source(dataset, read_options)
         # before the producer starts: its first transfers are this sink's
         self._interactions_at_start = pjrt.counted(placement.platform(config.sharding))
+        self._peers: peers.Alone | peers.Peers = peers.Alone()  # until the processes compare
         try:
             if guard.watcher(config.stop_if_nonfinite) and not source.rereadable:
                 raise ValueError(
@@ -87,8 +88,7 @@ class Sink:
             self._cursor = Cursor(source, config, feed=self._executor.feed, data_state=start)
         except Exception as error:  # bad options or data_state, or processes that disagree
             source.close()
-            if hasattr(self, "_peers"):  # made: the others learn of it (PeerError), not wait
-                self._peers.fail(error)
+            self._peers.fail(error)  # the others learn of it (PeerError), not wait
             raise
         self._running = self._closed = self._compared = False
         self.nonfinite: guard.NonFinite | None = None  # where the last call stopped, if it did
