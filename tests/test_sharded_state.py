@@ -18,21 +18,26 @@ import pytest
 JOB = Path(__file__).with_name("sharded_state_job.py")
 
 
+def run_fresh(*args: str, devices: int | None = None) -> dict:
+    """The JSON a fresh Python process prints last, run with ``args`` on ``devices`` forced host
+    devices (``None``: the process forces its own)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize(
     "devices, mesh, strategy",
     [(4, "data", "scan"), (4, "data", "loop"), (8, "data,model", "scan")],
 )
 def test_a_sharded_state_stays_sharded_through_a_sink(devices, mesh, strategy):
-    command = [sys.executable, str(JOB), "--devices", str(devices), "--mesh", mesh]
-    done = subprocess.run(
-        [*command, "--strategy", strategy],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    command = [str(JOB), "--devices", str(devices), "--mesh", mesh, "--strategy", strategy]
+    result = run_fresh(*command)  # (the job sets its own device count)
     assert result["kept"]  # every leaf as it went in: no gather to replicated
     assert result["per_device"] < 1.1 * result["replicated"] / devices  # about 1/N per device
     assert result["live"] <= 1.05 * result["per_device"]  # and no replicated copy kept alive
@@ -67,15 +72,7 @@ print(json.dumps(seen))
 
 
 def test_a_models_sharded_params_stay_sharded_through_training_and_resume(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-c", MODEL_JOB, str(tmp_path / "checkpoints")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = run_fresh("-c", MODEL_JOB, str(tmp_path / "checkpoints"), devices=4)
     assert set(seen.values()) == {"P('data',)"}, seen
 
 
@@ -104,13 +101,5 @@ print(json.dumps(seen))
 
 
 def test_processes_compare_where_their_states_go_and_a_model_keeps_one_on_one_device():
-    done = subprocess.run(
-        [sys.executable, "-c", PLACING_JOB],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = run_fresh("-c", PLACING_JOB, devices=4)
     assert all(seen.values()), seen
