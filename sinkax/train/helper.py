@@ -59,8 +59,8 @@ class DatasetHelper:
 
     Items yielded: the number of steps the next ``net(state)`` call runs (``1`` in non-sink
     mode; ``None`` for ``"auto"`` and ``-1``, whose call decides: the rest of the pass); call
-    ``net`` once per item. Whatever
-    the mode, the sink reads and moves nothing past the last epoch.
+    ``net`` once per item. Whatever the mode, the sink reads and moves nothing past the last
+    epoch.
 
     >>> import numpy as np
     >>> data = [(np.float32(i), np.float32(1)) for i in range(3)]
