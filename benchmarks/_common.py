@@ -125,6 +125,27 @@ def use_device(name: str | None) -> None:
         jax.config.update("jax_default_device", jax.devices(name)[0])
 
 
+def add_affinity_option(parser: Any) -> None:
+    """``--affinity``: the run under ``sinkax.set_cpu_affinity(True)`` (see :func:`bind_cpus`)."""
+    parser.add_argument(
+        "--affinity",
+        action="store_true",
+        help="sinkax.set_cpu_affinity(True) for the whole run: XLA's compute on its own CPUs, "
+        "steady on a small machine (benchmarks/compute_steadiness.py); results *_affinity.json",
+    )
+
+
+def bind_cpus(enabled: bool) -> str:
+    """``sinkax.set_cpu_affinity(True)`` if ``enabled`` (its plan printed), and the suffix of
+    the results' names that says so (``"_affinity"`` or ``""``)."""
+    if not enabled:
+        return ""
+    import sinkax
+
+    print("set_cpu_affinity:", sinkax.set_cpu_affinity(True))
+    return "_affinity"
+
+
 def machine() -> dict[str, str]:
     """JAX version, backend, device and CPU model: where the figures were taken."""
     cpu = platform.processor()

@@ -21,6 +21,7 @@ there.
     python benchmarks/auto_calls.py                       # MLP and LeNet5, 0.1, 0.5 and 1 s
     python benchmarks/auto_calls.py --workloads mlp --targets 0.05 --calls 8   # a smoke run
     python benchmarks/auto_calls.py --device gpu --workloads mlp --out-dir /tmp  # gpu_check's
+    python benchmarks/auto_calls.py --affinity            # compute steady on a small machine
 """
 
 from __future__ import annotations
@@ -32,7 +33,17 @@ import time
 
 import grain
 import jax
-from _common import RESULTS, fresh, machine, save, table, use_device, workload
+from _common import (
+    RESULTS,
+    add_affinity_option,
+    bind_cpus,
+    fresh,
+    machine,
+    save,
+    table,
+    use_device,
+    workload,
+)
 
 import sinkax
 
@@ -174,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.5, 1.0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out-dir", default=RESULTS, help="where the JSON and plot go (results/)")
+    add_affinity_option(parser)
     args = parser.parse_args(argv)
     if args.calls <= SETTLING:
         parser.error(f"--calls must be more than the {SETTLING} calls that settle")
     use_device(args.device)
+    binding = bind_cpus(args.affinity)
     rows = [
         row
         for name in args.workloads
@@ -208,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['best fixed']}'s (target >= 1.0x)"
             )
     payload = {"rows": rows, "first_calls": firsts, **vars(args)}
-    save("auto_calls", payload, draw(rows), args.out_dir)
+    save(f"auto_calls{binding}", payload, draw(rows), args.out_dir)
     return 0
 
 

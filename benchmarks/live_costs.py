@@ -12,6 +12,7 @@ median over repeats, every ratio compares figures of this one run.
 
     python benchmarks/live_costs.py                 # CPU
     python benchmarks/live_costs.py --device gpu
+    python benchmarks/live_costs.py --affinity      # compute steady on a small machine
     python benchmarks/live_costs.py --steps 200 --repeats 1 --sink-size 100 --out-dir /tmp  # smoke
 """
 
@@ -22,7 +23,17 @@ import statistics
 import sys
 
 import jax
-from _common import RESULTS, machine, median_rate, save, table, use_device, workload
+from _common import (
+    RESULTS,
+    add_affinity_option,
+    bind_cpus,
+    machine,
+    median_rate,
+    save,
+    table,
+    use_device,
+    workload,
+)
 from sink_sizes import device_scan, sinkax_run
 
 MODES = {
@@ -84,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10000, help="steps per timed run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", default=RESULTS, help="where the JSON goes (results/)")
+    add_affinity_option(parser)
     args = parser.parse_args(argv)
     if args.sink_size % EVERY:
         parser.error(f"--sink-size must be a multiple of {EVERY}, the steps per report")
     use_device(args.device)
+    binding = bind_cpus(args.affinity)
     rows = measure(args.workload, args.steps, args.sink_size, args.repeats)
     print(f"{args.workload}, sink {args.sink_size}  ({machine()['device']}, jax {jax.__version__})")
     print(table(rows, ["mode", "steps/s", "x base"]))
@@ -100,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ----  JAX's host callback alone: {alone:.3f}x the scan without it (reported)")
     suffix = "" if jax.default_backend() == "cpu" else f"_{jax.default_backend()}"
     payload = {"workload": args.workload, "rows": rows, **vars(args)}
-    save(f"live_costs{suffix}", payload, folder=args.out_dir)
+    save(f"live_costs{suffix}{binding}", payload, folder=args.out_dir)
     return 0  # the verdicts above are the report; a missed target is not a failure to run
 
 

@@ -39,7 +39,17 @@ import time
 
 import jax
 import numpy as np
-from _common import fresh, machine, median_rate, save, table, use_device, workload
+from _common import (
+    add_affinity_option,
+    bind_cpus,
+    fresh,
+    machine,
+    median_rate,
+    save,
+    table,
+    use_device,
+    workload,
+)
 
 import sinkax
 
@@ -407,13 +417,10 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-repeats", type=int, default=3, help="0 skips the first calls")
     parser.add_argument("--strategy", default="auto")
-    parser.add_argument(
-        "--affinity", action="store_true", help="sinkax.set_cpu_affinity(True) for the whole run"
-    )
+    add_affinity_option(parser)
     args = parser.parse_args(argv)
     use_device(args.device)
-    if args.affinity:
-        print("set_cpu_affinity:", sinkax.set_cpu_affinity(True))
+    binding = bind_cpus(args.affinity)
     # (steps per repeat, batches per epoch)
     steps = {"mlp": (2000, 250), "lenet": (500, 250), "flax": (500, 250)}
     if jax.default_backend() != "cpu":
@@ -437,7 +444,7 @@ def main(argv=None):
         failed += not ok
         print(f"  {'PASS' if ok else 'MISS'}  {description}: {ratio:.2f}x (target >= {threshold}x)")
     suffix = "" if jax.default_backend() == "cpu" else f"_{jax.default_backend()}"
-    suffix += "_affinity" if args.affinity else ""
+    suffix += binding
     payload = {
         "results": results,
         "first_calls": first,
