@@ -4,6 +4,7 @@ import contextlib
 import itertools
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,10 +26,13 @@ from sinkax.execution import compiler
 MID_EPOCH = Position(0, 5)
 
 
-def on_clock(monkeypatch, now):
+def on_clock(monkeypatch, now, caught_up=False):
     """Auto sinks timed by ``now``, their compiles too: how long a compile really takes (on a
-    loaded machine) does not count, as the calls' sizes would follow it."""
+    loaded machine) does not count, as the calls' sizes would follow it. Whether the device has
+    done the last call when the next starts is ``caught_up`` too, not left to the machine: it
+    sets how fast the sizes may grow."""
     monkeypatch.setattr(sizing, "now", now)
+    monkeypatch.setattr(sizing, "finished", lambda work: caught_up)
     monkeypatch.setattr(compiler, "time", types.SimpleNamespace(perf_counter=now))
 
 
@@ -69,6 +73,49 @@ def test_growth_is_bounded_per_call_and_by_the_epoch():
     assert sizer.granule() == 256  # else a power of two, at most an eighth of the target
 
 
+def test_calls_timed_whole_grow_settled_growth_times_and_others_growth_times():
+    done = jax.block_until_ready(jnp.zeros(3))
+    deleted = jnp.zeros(3)
+    deleted.delete()  # donated since: not known to be done
+
+    def targets(last, compiling=0.0):
+        clock = [0.0]
+        sizer = sizing.CallSizer(call_seconds=10.0, epoch_length=None, clock=lambda: clock[0])
+        seen = []
+        for _ in range(4):
+            sizer.started(last)
+            seen.append(sizer.target)
+            clock[0] += sizer.target / 10_000 + compiling  # 10,000 steps/s, and its compile
+            sizer.ended(sizer.target, compiling)
+        return seen
+
+    assert targets(done) == [1, 64, 4096, 100_000]  # 10,000 steps/s for 10 s
+    assert targets(None) == targets(deleted) == [1, 8, 64, 512]  # not known to be done
+    assert targets(done, compiling=1e-4) == [1, 8, 64, 512]  # its time, less a compile
+
+
+def test_a_caller_that_waits_for_each_call_lets_the_sizes_grow_faster(monkeypatch):
+    clock = itertools.count(step=1e-3)  # every call "takes" a millisecond, and compiles nothing
+    monkeypatch.setattr(sizing, "now", lambda: next(clock))
+    monkeypatch.setattr(compiler, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    dataset = indexed_map_dataset(20_000, 2, seed=None)
+    for wait in (True, False):
+
+        def step(state, batch):  # compiles of its own (none count here): not the other tests'
+            return collect_index(state, batch)
+
+        with sinkax.data_sink(step, dataset, "auto", strategy="scan") as sink:
+            for _ in range(3):
+                _, indices = sink(jnp.int32(0))
+                if wait:  # the last window is done when the next call starts
+                    jax.block_until_ready(indices)
+            sizes = sink.stats.call_sizes
+        if wait:  # (a call holds whole granules up to its target: at least 4096)
+            assert sizes[:2] == (1, 64) and 4096 <= sizes[2] < 2 * 4096
+        else:  # the device may be still busy when the next call starts: x8, or x64 if not
+            assert sizes[1] in (8, 64)
+
+
 def test_a_drifting_target_keeps_its_granule_and_a_far_one_changes_it():
     sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=None, target=4096)
     assert sizer.granule() == 512
@@ -100,7 +147,11 @@ def test_a_call_is_measured_less_the_seconds_it_spent_compiling(monkeypatch):
     monkeypatch.setattr(compiler.Compiler, "get", slow_get)
     dataset = indexed_map_dataset(4000, 2, seed=None)
     options = {"call_seconds": 4.0, "strategy": "scan"}
-    with sinkax.data_sink(collect_index, dataset, "auto", **options) as sink:
+
+    def step(state, batch):  # a step of its own: no other test compiled its windows
+        return collect_index(state, batch)
+
+    with sinkax.data_sink(step, dataset, "auto", **options) as sink:
         for _ in range(2):
             sink(jnp.int32(0))
         # the first call compiled: 1 step in at most 0.4 s of its second, 2.5 steps/s or more;

@@ -146,8 +146,8 @@ class Cursor:
         """A call starts (its time, less its wait for data, is the sink's busy time)."""
         self._call_started = (time.perf_counter(), self.data_wait_s)
         self._call_steps = self._call_windows = 0
-        if self.sizer:
-            self.sizer.started()
+        if self.sizer:  # with the last call's last window: its compute may be done
+            self.sizer.started(self._in_flight and self._in_flight[0])
 
     def next_piece(self, agree: Agree | None = None) -> tuple[Any, Piece, int]:
         """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.

@@ -9,8 +9,10 @@ short of ``call_seconds``), the granule is the epoch: each call one window. When
 its target follows the measured rate of the last :data:`WINDOW` calls: ``call_seconds`` times
 their steps per second from the first one's start to this one's (so a caller that waits for each
 call's results times each call whole, its compute included, whatever the device still ran when
-it returned) less what they spent compiling, at most :data:`GROWTH` times the last target and at
-least a :data:`GROWTH`-th of it, never over an epoch, and kept while the measured one is within
+it returned) less what they spent compiling, at most :data:`GROWTH` times the last target (or
+:data:`SETTLED_GROWTH` times where that time is sure to cover their compute: the device had done
+them when this call started, and they compiled nothing) and at least a :data:`GROWTH`-th of it,
+never over an epoch, and kept while the measured one is within
 :data:`KEPT_SIZE` of it but for the whole epoch (a call of several windows joins their outputs
 in an executable compiled per size: a steady size compiles it once); a call that failed or
 stopped early is not measured, nor the calls before it. The granule follows the target (an
@@ -47,10 +49,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from sinkax.channel.position import DataPosition
 from sinkax.channel.source import Position
 
 GROWTH = 8  # a call's target grows or shrinks at most this much per call
+# ... or grows at most this much after calls timed whole (see CallSizer.started): a caller that
+# does not wait for results may time a call's dispatch alone, but not then
+SETTLED_GROWTH = 64
 WINDOW = 2  # the calls a rate is measured over (more: steadier, slower to follow)
 GRANULES = 8  # a call of the target holds at least this many granules (but for the first)
 KEPT_GRANULES = (GRANULES // 2, GRANULES * 4)  # granules a call may hold before they change
@@ -61,6 +68,13 @@ KEPT_SIZE = 0.1  # a target is kept while the measured one is within this share 
 MAX_WINDOWS = GRANULES * KEPT_GRANULES[1]
 KEPT_SIZES = 64  # the sizes of the last calls that Sink.stats shows
 now = time.perf_counter  # what a sizer times calls with, unless given a clock
+
+
+def finished(work: Any) -> bool:
+    """Whether the device has done ``work`` (a tree of arrays), without waiting for it; an
+    array deleted since (donated) counts as not known to be done."""
+    leaves = [leaf for leaf in jax.tree.leaves(work) if isinstance(leaf, jax.Array)]
+    return all(not leaf.is_deleted() and leaf.is_ready() for leaf in leaves)
 
 
 def check_call_seconds(call_seconds: Any) -> float:
@@ -122,10 +136,13 @@ class CallSizer:
         ended = position.step == 0 or steps == self.steps_left()
         return steps >= target or windows >= MAX_WINDOWS or ended
 
-    def started(self) -> None:
+    def started(self, last: Any = None) -> None:
         """A call starts: the latest calls, timed from the first one's start to now less the
         seconds they spent compiling, set its target (those after the last that is not to be
-        measured)."""
+        measured). ``last``: what the last call computed last, if known; if the device has
+        done it, that time covers their compute (and, if they compiled nothing, no more than
+        that): the target may grow :data:`SETTLED_GROWTH` times, not :data:`GROWTH`."""
+        caught_up = last is not None and finished(last)
         now = self._clock()
         timed: list[_Call] = []
         for call in reversed(self._calls):
@@ -134,7 +151,9 @@ class CallSizer:
             timed.append(call)
         if timed:
             compiling = sum(call.compiling or 0.0 for call in timed)
-            self.measured(sum(call.steps for call in timed), now - timed[-1].start - compiling)
+            growth = SETTLED_GROWTH if caught_up and not compiling else GROWTH
+            steps = sum(call.steps for call in timed)
+            self.measured(steps, now - timed[-1].start - compiling, growth)
         self._calls.append(_Call(now))
 
     def ended(self, steps: int, compiling: float | None) -> None:
@@ -162,13 +181,13 @@ class CallSizer:
             kept = self.kept_granule = 1 << max(0, (target // GRANULES).bit_length() - 1)
         return kept
 
-    def measured(self, steps: int, seconds: float) -> None:
-        """A call of ``steps`` took ``seconds``: set the next target (kept if the measured one
-        is within :data:`KEPT_SIZE` of it: a call of a size met before compiles nothing to join
-        its windows' outputs)."""
+    def measured(self, steps: int, seconds: float, growth: int = GROWTH) -> None:
+        """A call of ``steps`` took ``seconds``: set the next target, at most ``growth`` times
+        the last (kept if the measured one is within :data:`KEPT_SIZE` of it: a call of a size
+        met before compiles nothing to join its windows' outputs)."""
         rate = steps / max(seconds, 1e-9)
         wanted = self.call_seconds * rate
-        wanted = self._bounded(min(max(wanted, self.target / GROWTH), self.target * GROWTH))
+        wanted = self._bounded(min(max(wanted, self.target / GROWTH), self.target * growth))
         if wanted == self.epoch_length or abs(wanted - self.target) > KEPT_SIZE * self.target:
             self.target = wanted  # (a whole epoch is one window a call: always taken)
 
