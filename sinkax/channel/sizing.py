@@ -72,9 +72,9 @@ now = time.perf_counter  # what a sizer times calls with, unless given a clock
 
 def finished(work: Any) -> bool:
     """Whether the device has done ``work`` (a tree of arrays), without waiting for it; an
-    array deleted since (donated) counts as not known to be done."""
+    array deleted since (donated), or a tree with no array, counts as not known to be done."""
     leaves = [leaf for leaf in jax.tree.leaves(work) if isinstance(leaf, jax.Array)]
-    return all(not leaf.is_deleted() and leaf.is_ready() for leaf in leaves)
+    return bool(leaves) and all(not leaf.is_deleted() and leaf.is_ready() for leaf in leaves)
 
 
 def check_call_seconds(call_seconds: Any) -> float:
