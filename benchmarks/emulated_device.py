@@ -21,6 +21,7 @@ directly and once through sinkax's plugin with costs off and host buffers left a
 the only difference is the counting.
 
     python benchmarks/emulated_device.py        # ~15 minutes on 2 cores
+    python benchmarks/emulated_device.py --affinity   # compute steadier on a small machine
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import os
 import subprocess
 import sys
 
-from _common import machine, median_rate, save, table, workload
+from _common import add_affinity_option, bind_cpus, machine, median_rate, save, table, workload
 
 import sinkax
 from sinkax import pjrt
@@ -230,7 +231,9 @@ def main(argv=None):
     parser.add_argument("--presets", nargs="+", default=[*PRESET_NAMES, "balanced"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000, help="steps per timed run (MLP)")
+    add_affinity_option(parser)
     args = parser.parse_args(argv)
+    binding = bind_cpus(args.affinity)
     results, checks, presets = {}, [], {}
     for name in args.workloads:
         w = workload(name, 100)
@@ -271,7 +274,7 @@ def main(argv=None):
         "counting_overhead_s": overhead,
         "targets": [list(c) for c in checks],
     }
-    save("emulated_device", payload, lambda plt: plot(results, plt))
+    save(f"emulated_device{binding}", payload, lambda plt: plot(results, plt))
     return failed
 
 
