@@ -147,7 +147,7 @@ class Cursor:
         self._call_started = (time.perf_counter(), self.data_wait_s)
         self._call_steps = self._call_windows = 0
         if self.sizer:  # with the last call's last window: its compute may be done
-            self.sizer.started(self._in_flight and self._in_flight[0])
+            self.sizer.started(self._in_flight)
 
     def next_piece(self, agree: Agree | None = None) -> tuple[Any, Piece, int]:
         """The next piece: ``(chunk data, piece, offset of its first batch in the chunk)``.

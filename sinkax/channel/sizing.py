@@ -142,7 +142,6 @@ class CallSizer:
         measured). ``last``: what the last call computed last, if known; if the device has
         done it, that time covers their compute (and, if they compiled nothing, no more than
         that): the target may grow :data:`SETTLED_GROWTH` times, not :data:`GROWTH`."""
-        caught_up = last is not None and finished(last)
         now = self._clock()
         timed: list[_Call] = []
         for call in reversed(self._calls):
@@ -151,7 +150,7 @@ class CallSizer:
             timed.append(call)
         if timed:
             compiling = sum(call.compiling or 0.0 for call in timed)
-            growth = SETTLED_GROWTH if caught_up and not compiling else GROWTH
+            growth = GROWTH if compiling or not finished(last) else SETTLED_GROWTH
             steps = sum(call.steps for call in timed)
             self.measured(steps, now - timed[-1].start - compiling, growth)
         self._calls.append(_Call(now))
