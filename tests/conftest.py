@@ -202,6 +202,12 @@ def producer_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "sinkax-producer"}
 
 
+def threads_but_copiers() -> set[threading.Thread]:
+    """The live threads but the copier pool's, which the sinks of a process share and leave
+    idle (on a host of 8 or more cores they copy a list's or a MapDataset's batches)."""
+    return {t for t in threading.enumerate() if not t.name.startswith("sinkax-copier")}
+
+
 def producers_left(before: set[threading.Thread], timeout: float = 60.0) -> list[str]:
     """The producer threads started since ``before`` that are still alive after waiting up to
     ``timeout`` for them: a producer that has closed its source may still be finishing its

@@ -34,6 +34,7 @@ from conftest import (
     producers_left,
     reference_run,
     regression_batches,
+    threads_but_copiers,
     train_step,
 )
 
@@ -765,27 +766,27 @@ def test_a_second_thread_calling_a_running_sink_is_refused_and_loses_nothing():
 
 
 def test_close_leaves_no_thread_and_blocks_further_calls(batches):
-    before = set(threading.enumerate())
+    before = threads_but_copiers()
     sink = sinkax.data_sink(train_step, indexed_map_dataset(40, 4), 3)
-    assert set(threading.enumerate()) - before  # the producer runs
+    assert threads_but_copiers() - before  # the producer runs
     sink.close()
     sink.close()
-    assert set(threading.enumerate()) - before == set()
+    assert threads_but_copiers() - before == set()
     with pytest.raises(sinkax.SinkClosedError):
         sink(init_state())
 
 
 def test_a_sink_nobody_closed_stops_its_producer_when_collected(batches):
-    before = set(threading.enumerate())
+    before = threads_but_copiers()
     sink = sinkax.data_sink(train_step, batches, 3)
     sink(init_state())
     collected = weakref.ref(sink)
     del sink
     gc.collect()
     assert collected() is None  # the producer thread holds nothing that reaches the sink
-    for thread in set(threading.enumerate()) - before:
+    for thread in threads_but_copiers() - before:
         thread.join(timeout=10.0)
-    assert set(threading.enumerate()) - before == set()
+    assert threads_but_copiers() - before == set()
 
 
 @pytest.mark.parametrize("calls_after", [0, 2])
