@@ -149,8 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         metavar="K",
-        help="a progress bar (tqdm, on stderr) advanced every K steps from inside each sink "
-        "where the device runs host callbacks (CPU, GPU), else once per sink",
+        help="a progress bar (tqdm, on stderr) advanced every K steps from inside each sink",
     )
     return parser
 

@@ -67,13 +67,7 @@ class Sink:
         self._interactions_at_start = pjrt.counted(placement.platform(config.sharding))
         self._peers: peers.Alone | peers.Peers = peers.Alone()  # until the processes compare
         try:
-            if guard.watcher(config.stop_if_nonfinite) and not source.rereadable:
-                raise ValueError(
-                    "stop_if_nonfinite needs a dataset the sink can read again from the batch "
-                    "where a step was not finite (it reads ahead); this one is a one-shot "
-                    "iterator (iter() of it gives itself, like a generator). Give a list, a "
-                    "grain dataset or DataLoader, or an object whose __iter__ starts a new pass."
-                )
+            guard.check_rereadable(config.stop_if_nonfinite, source.rereadable)
             steps = config.check_length(source.epoch_length, dataset)
             start = None if data_state is None else DataPosition.from_dict(data_state)
             recorded = start.strategy if start else None
@@ -172,7 +166,7 @@ class Sink:
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
         if stopped is None:
             cursor.commit(piece, compiling=executor.compiler.seconds - compiled_s)
-        if executor.progress:  # the steps no device report covered (a Ctrl-C in it: held)
+        if executor.progress:  # the steps no block report covered (a Ctrl-C in it: held)
             executor.progress.call_ended(outs, stopped)
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
@@ -244,9 +238,9 @@ class Sink:
     @property
     def stats(self) -> SinkStats:
         """A snapshot of :class:`SinkStats`."""
-        counts = {**self._cursor.counts(), **self._executor.counts()}
         return SinkStats(
-            **counts,
+            **self._cursor.counts(),
+            **self._executor.counts(),
             interactions=pjrt.since(self._interactions_at_start),
             **placement.memory(self.config.sharding),
             peer_wait_s=self._peers.waited_s,
@@ -256,15 +250,21 @@ class Sink:
         if self._closed:
             raise SinkClosedError("This sink is closed; create a new one with sinkax.data_sink.")
 
+    def block_until_ready(self) -> None:
+        """Wait until every call so far ran and every ``progress`` report of them was told."""
+        self._executor.wait()
+
     def close(self) -> None:
-        """Stop the producer thread and free the device chunks (idempotent), then raise what a
-        ``progress`` hook raised in the last call if no call has. A call waiting for data in
-        another thread fails at once with :class:`~sinkax.SinkClosedError` (its state valid)."""
+        """Deliver every ``progress`` report, stop the producer and free the device chunks
+        (idempotent); then raise what the hook raised in the last call if no call has. A call
+        waiting for data in another thread fails at once with ``SinkClosedError``."""
         self._shut()
         if self._executor.progress:
             self._executor.progress.raise_error()
 
     def _shut(self) -> None:  # close(), leaving a progress hook's error to the next close()
+        if self._executor.progress:
+            self._executor.progress.close()
         if not self._closed:
             self._closed = True
             self._cursor.close(running=self._running)
@@ -325,9 +325,9 @@ def data_sink(
         that batch; :attr:`Sink.nonfinite` says where (see :mod:`sinkax.execution.guard`).
         Each call then waits for its compute to end (it reads one flag).
       progress: ``hook(steps, out)``, told of the steps done while a call runs: every
-        ``progress_every`` steps (default 100) from the device where it runs host callbacks,
-        the rest when the call returns (see :mod:`sinkax.execution.progress`). An error it
-        raises comes from the next call, before it runs, or from :meth:`Sink.close`.
+        ``progress_every`` steps (default 100) once the device computed them, from a thread of
+        the sink's, the rest when the call returns (see :mod:`sinkax.execution.progress`). An
+        error it raises comes from a later call, before it runs, or from :meth:`Sink.close`.
       pin_memory: build chunks in the device's pinned (page-locked) host memory, which the
         device reads by DMA, rather than in numpy memory, which a GPU runtime first copies into
         pinned memory of its own (a sink on one device; ``prefetch + 1`` chunks of memory that

@@ -1,4 +1,4 @@
-"""``progress=``: a sink reports every k-th step from inside a call, where the device can."""
+"""``progress=``: a sink reports every k-th step from inside a call, as its device computes it."""
 
 import functools
 import signal
@@ -11,6 +11,8 @@ import pytest
 from conftest import default_backend, needs_plugin
 
 import sinkax
+from sinkax.execution import progress as progress_module
+from sinkax.execution import windowed
 
 DATA = [{"x": np.float32(i)} for i in range(10)]
 
@@ -33,19 +35,17 @@ def reports_of(sink_size, calls, **options):
         total = np.float32(0)
         for _ in range(calls):
             total, _ = sink(total)
-        jax.effects_barrier()  # the device's reports have run
-    return reports
+    return reports  # (close() told every report)
 
 
 def losses(steps):
     return np.cumsum([i % 10 for i in range(steps)]).tolist()
 
 
-@pytest.mark.skipif(not default_backend().python_callbacks, reason="needs host callbacks")
-def test_a_scan_reports_every_kth_step_from_the_device():
+def test_a_scan_reports_every_kth_step_from_its_blocks():
     reports = reports_of(25, 2, strategy="scan", progress_every=10)
     loss = losses(50)
-    # steps 10 and 20 of each call from the device, the last 5 from the host at its end
+    # steps 10 and 20 of each call from its blocks, the last 5 from the host at its end
     assert sorted(reports, key=lambda r: r[1]) == [
         (10, loss[9]),
         (10, loss[19]),
@@ -56,8 +56,8 @@ def test_a_scan_reports_every_kth_step_from_the_device():
     ]
 
 
-@pytest.mark.skipif(not default_backend().python_callbacks, reason="needs host callbacks")
-def test_the_device_reports_while_the_call_runs():
+@pytest.mark.skipif(not default_backend().python_callbacks, reason="the step calls the host")
+def test_a_block_is_reported_while_the_next_runs():
     reported, release = threading.Event(), threading.Event()
 
     def hook(steps, out):
@@ -78,7 +78,6 @@ def test_the_device_reports_while_the_call_runs():
         done.join(30)
 
 
-@pytest.mark.skipif(not default_backend().python_callbacks, reason="needs host callbacks")
 def test_a_sink_that_stops_at_nan_reports_the_steps_outputs():
     data = [*DATA[:7], {"x": np.float32(np.nan)}, *DATA[8:]]
     reports = []
@@ -92,11 +91,12 @@ def test_a_sink_that_stops_at_nan_reports_the_steps_outputs():
         progress_every=4,
     ) as sink:
         sink(np.float32(0))
-        jax.effects_barrier()
-    assert reports[0] == (4, 6.0)  # step 4's loss, from the device
+        # told as the stop returns: step 4's loss, then step 8's (not finite, not kept)
+        assert reports[0] == (4, 6.0) and reports[1][0] == 4 and np.isnan(reports[1][1])
+    assert reports[2:] == [(2, 21.0)]  # the host's: steps 9 and 10, with the last kept output
 
 
-@pytest.mark.parametrize("strategy", ["loop", "scan"])  # a report from the host, the device
+@pytest.mark.parametrize("strategy", ["loop", "scan"])  # a report from the host, a block
 def test_a_hook_that_raises_loses_nothing_and_the_next_call_raises_it(strategy):
     raised = []
 
@@ -110,7 +110,7 @@ def test_a_hook_that_raises_loses_nothing_and_the_next_call_raises_it(strategy):
     ) as sink:
         with pytest.warns(RuntimeWarning, match="progress hook raised KeyError"):
             total, outs = sink(np.float32(0))
-            jax.effects_barrier()
+            sink.block_until_ready()  # (the next call would tell a computed block first)
         assert float(total) == 10.0 and outs["loss"].tolist() == losses(5)  # the call completed
         with pytest.raises(RuntimeError, match="progress hook raised KeyError") as error:
             sink(total)
@@ -186,11 +186,17 @@ def test_a_step_that_outputs_nothing_is_reported_too():
 
 
 @needs_plugin
-def test_without_host_callbacks_a_warning_and_a_report_per_call():
-    with pytest.warns(RuntimeWarning, match="no Python host callbacks.*once per call"):
-        reports = reports_of(25, 2, strategy="scan", progress_every=10, device="Emulated")
+def test_a_device_without_host_callbacks_reports_from_the_blocks_too():
+    reports = reports_of(25, 2, strategy="scan", progress_every=10, device="Emulated")
     loss = losses(50)
-    assert reports == [(25, loss[24]), (25, loss[49])]
+    assert sorted(reports, key=lambda r: r[1]) == [
+        (10, loss[9]),
+        (10, loss[19]),
+        (5, loss[24]),
+        (10, loss[34]),
+        (10, loss[44]),
+        (5, loss[49]),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -210,4 +216,80 @@ def test_without_progress_a_scan_compiles_its_plain_program():
     with sinkax.data_sink(step, DATA, 4, strategy="scan") as sink:
         sink(jnp.float32(0))
         kinds = [key[0] for key in sink._executor.compiler._cache if isinstance(key, tuple)]
-    assert sorted(kinds) == ["carry", "scan"]  # not ("scan", ("progress", ...), every)
+    assert sorted(kinds) == ["carry", "scan"]  # one window, without its last output
+
+
+def test_a_hook_that_waits_does_not_hold_up_the_device():
+    told, release = threading.Event(), threading.Event()
+
+    def hook(steps, out):  # the first block's report waits until the test saw the results
+        told.set()
+        release.wait(30)
+
+    with sinkax.data_sink(
+        running_sum, DATA, 30, strategy="scan", progress=hook, progress_every=10
+    ) as sink:
+        _, outs = jax.block_until_ready(sink(np.float32(0)))  # its 3 blocks all ran
+        assert outs["loss"].tolist() == losses(30)  # ready while the hook waits
+        assert told.wait(30)
+        release.set()
+
+
+def test_block_until_ready_tells_every_report_of_the_calls_so_far():
+    reports = []
+    with sinkax.data_sink(
+        running_sum,
+        DATA,
+        25,
+        strategy="scan",
+        progress=lambda steps, out: reports.append(steps),
+        progress_every=10,
+    ) as sink:
+        total, _ = sink(np.float32(0))
+        total, _ = sink(total)
+        sink.block_until_ready()
+        assert sorted(reports) == [5, 5, 10, 10, 10, 10]
+        assert sink.stats.dispatches == 2 * 4  # a call: 2 blocks, the 5 steps left, the join
+
+
+def test_a_window_holds_at_most_max_blocks_reported_blocks(monkeypatch):
+    monkeypatch.setattr(windowed, "MAX_BLOCKS", 2)
+    reports = reports_of(25, 1, strategy="scan", progress_every=5)
+    loss = losses(25)
+    # 5 blocks of 5 would be too many: one of 15, then the 10 steps left from the host
+    assert sorted(reports) == [(10, loss[24]), (15, loss[14])]
+
+
+def test_a_new_sink_of_the_step_reuses_its_blocks_executables():
+    step = functools.partial(running_sum)  # a new function: nothing cached for it yet
+    compiles = []
+    for _ in range(2):
+        with sinkax.data_sink(
+            step, DATA, 25, strategy="scan", progress=lambda *_: None, progress_every=10
+        ) as sink:
+            sink(jnp.float32(0))
+            compiles.append(sink.stats.compiles)
+    assert compiles[0] >= 3 and compiles[1] == 0  # block, the 5 steps left, the join
+
+
+def test_the_reporting_thread_ends_once_idle(monkeypatch):
+    monkeypatch.setattr(progress_module, "IDLE_S", 0.01)
+    told, both = [], threading.Event()
+
+    def hook(steps, out):
+        told.append(threading.current_thread())
+        if len(told) == 2:
+            both.set()
+
+    with sinkax.data_sink(
+        running_sum, DATA, 20, strategy="scan", progress=hook, progress_every=10
+    ) as sink:
+        sink.block_until_ready()  # nothing ran yet: nothing to wait for
+        total, _ = sink(np.float32(0))
+        assert both.wait(30)  # both blocks told by the reporting thread (nothing else asked)
+        reporter = told[0]
+        assert reporter.name == "sinkax-progress" and told[1] is reporter
+        reporter.join(30)
+        assert not reporter.is_alive()
+        total, _ = sink(total)  # a new one reports the next call's blocks
+    assert len(told) == 4

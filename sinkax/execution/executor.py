@@ -102,6 +102,12 @@ class Executor:
         if done is not None:
             jax.block_until_ready(done)
 
+    def wait(self) -> None:
+        """Wait for the last window dispatched to be computed, then for every progress report."""
+        self._settle()
+        if self.progress:
+            self.progress.flush()
+
     @property
     def feed(self) -> str:
         """What the strategy runs on, for the ring: ``"stacked"`` chunks or ``"unstacked"``

@@ -59,6 +59,18 @@ def watcher(watch: Watch) -> Callable[[Any], Any] | None:
     )
 
 
+def check_rereadable(watch: Watch, rereadable: bool) -> None:
+    """``ValueError`` if a sink stops at non-finite steps (``watch``) but cannot read its
+    dataset again from the batch where one was (it reads ahead): a one-shot iterator."""
+    if watcher(watch) and not rereadable:
+        raise ValueError(
+            "stop_if_nonfinite needs a dataset the sink can read again from the batch where a "
+            "step was not finite (it reads ahead); this one is a one-shot iterator (iter() of it "
+            "gives itself, like a generator). Give a list, a grain dataset or DataLoader, or an "
+            "object whose __iter__ starts a new pass."
+        )
+
+
 def entry_of(name: str) -> Callable[[Any], Any]:
     """``out -> out[name]``, with an error naming the entries when ``out`` has none such."""
 

@@ -61,34 +61,15 @@ def scan_program(fn: StepFn, steps: int) -> Callable[..., tuple[Any, Any, jax.Ar
     return run
 
 
-def reporting_scan_program(
-    fn: StepFn,
-    steps: int,
-    every: int,
-    report: Callable[[Any], None],
-    window: Callable[[StepFn, int], Callable[..., Any]] = scan_program,
-) -> Callable[..., tuple[Any, Any, jax.Array]]:
-    """:func:`scan_program` that calls ``report(out)`` on the host (``jax.debug.callback``)
-    with the output of every ``every``-th step of the window, while the window runs: a loop of
-    ``steps // every`` blocks of ``every`` steps, each block reporting its last step, then the
-    ``steps % every`` steps left, unreported. Every trip count is known. ``window(fn, n)``
-    makes the program of a block of ``n`` steps (:func:`scan_program`'s form)."""
-    blocks, rest = divmod(steps, every)
+def with_last_output(
+    window: Callable[..., tuple[Any, Any, jax.Array]],
+) -> Callable[..., tuple[Any, Any, jax.Array, Any]]:
+    """``window`` (a program such as :func:`scan_program`'s) returning its last step's output
+    too: ``(state, chunk, i) -> (state, outs, end, last)``, what a progress report reads."""
 
-    def run(state: Any, chunk: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
-        def block(carry: tuple[Any, jax.Array], _: None) -> tuple[tuple[Any, jax.Array], Any]:
-            state, outs, i = window(fn, every)(*carry[:1], chunk, carry[1])
-            jax.debug.callback(report, jax.tree.map(lambda o: o[-1], outs))
-            return (state, i), outs
-
-        parts = []
-        if blocks:
-            (state, i), outs = lax.scan(block, (state, i), None, length=blocks)
-            parts.append(jax.tree.map(lambda o: o.reshape(blocks * every, *o.shape[2:]), outs))
-        if rest:
-            state, outs, i = window(fn, rest)(state, chunk, i)
-            parts.append(outs)
-        return state, concat_program(parts), i
+    def run(state: Any, chunk: Any, i: jax.Array) -> tuple[Any, Any, jax.Array, Any]:
+        state, outs, end = window(state, chunk, i)
+        return state, outs, end, jax.tree.map(lambda o: o[-1], outs)
 
     return run
 

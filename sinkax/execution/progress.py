@@ -1,40 +1,37 @@
 """Progress from inside a call (``data_sink(..., progress=hook, progress_every=k)``).
 
 ``hook(steps, out)`` is told that ``steps`` more steps are done, ``out`` being the output of the
-latest of them. Where the platform runs Python host callbacks (CPU, GPU) a ``"scan"`` window
-reports every ``k``-th step from the device while it runs, asynchronously
-(:func:`~sinkax.execution.programs.reporting_scan_program`); the steps no device report covers
--- a window's last ``steps % k``, every step of another strategy (``"loop"``, ``"step"``,
-eager) or of a platform without host callbacks (the emulated device: a warning says so) -- are
+latest of them (numpy). A ``"scan"`` window of ``k`` steps or more runs as blocks of ``k``
+steps (of a multiple of ``k`` where a window would hold more than
+:data:`~sinkax.execution.windowed.MAX_BLOCKS`), one executable each, dispatched back to back,
+their outputs joined by one more (:class:`~sinkax.execution.windowed.Scan`). Each block's last
+output is reported from the sink's reporting thread once the device has computed it, while the
+later blocks run: the device never waits for the host. The steps no block covers -- a window's
+last ``steps % k``, every step of another strategy (``"loop"``, ``"step"``, eager) -- are
 reported from the host when the call returns; over the devices of several ``jax.distributed``
-processes, every step is (a device report would reach one process only). So the reports add up
-to every step the sink ran; the host's may come before the device's of the same call. Off (the
-default), the sink compiles its plain programs.
+processes, every step is (a block's outputs are not all in one process). So the reports add up
+to every step the sink ran; the host's may come before the blocks' of the same call.
+
+A call first delivers the reports of blocks already computed (and raises what the hook raised
+in them); :meth:`Progress.flush` -- ``Sink.block_until_ready()``, ``Sink.close()`` -- waits
+for every report. Off (the default), the sink compiles its plain programs.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
+import contextlib
 import numbers
-import weakref
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from sinkax.backend import backend_of
 from sinkax.errors import warn
 
 Hook = Callable[[int, Any], None]
-
-_live: weakref.WeakValueDictionary[int, Progress] = weakref.WeakValueDictionary()
-_tokens = itertools.count()
-
-_NO_CALLBACKS = (
-    "This sink's device ({platform}) runs no Python host callbacks, so progress= cannot report "
-    "from inside a call: it reports once per call, when the call returns. For progress within "
-    "a call, run on CPU or GPU, or use smaller sink sizes."
-)
+IDLE_S = 1.0  # a reporting thread with nothing to report for this long ends (a later one starts)
 
 
 def check(hook: Any, every: Any) -> None:
@@ -48,12 +45,9 @@ def check(hook: Any, every: Any) -> None:
         raise ValueError(f"progress_every must be an int >= 1 (steps per report), got {every!r}.")
 
 
-def _report(token: int, every: int, out: Any) -> None:
-    """A device report, run by ``jax.debug.callback``: to the sink's hook while it lives (the
-    compiled programs hold no reference to it)."""
-    progress = _live.get(token)
-    if progress is not None:
-        progress.tell(every, out)
+def _computed(tree: Any) -> bool:
+    """Whether the device has computed every array of ``tree`` (never waits)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree))
 
 
 class Progress:
@@ -61,29 +55,33 @@ class Progress:
 
     def __init__(self, hook: Hook, every: int, sharding: jax.sharding.Sharding):
         self.hook, self.every = hook, int(every)
-        backend = backend_of(sharding)
-        # over other processes' devices too, a device report reaches one process only
-        self.on_device = backend.python_callbacks and sharding.is_fully_addressable
-        if not backend.python_callbacks:
-            warn(_NO_CALLBACKS.format(platform=backend.platform), RuntimeWarning)
-        self._token = next(_tokens)
-        _live[self._token] = self
+        # over other processes' devices, a block's outputs are not all here to report
+        self.within_calls = sharding.is_fully_addressable
         self._unreported = 0
         self.error: Exception | None = None  # the hook's first, raised by the next call
+        # (steps, pick the output, the block's last output on the device), in step order
+        self._pending: collections.deque[tuple[int, Callable[[Any], Any], Any]] = (
+            collections.deque()
+        )
+        self._changed = threading.Condition()  # guards _pending and _reporter
+        self._delivering = threading.Lock()  # one report at a time, in order
+        self._reporter: threading.Thread | None = None
+        self._closed = False  # no block is handed over after: the thread ends once idle
 
     def tell(self, steps: int, out: Any) -> None:
-        """Call the hook. An error it raises is kept for :meth:`raise_error`: raised here, on
-        the device or once the call committed, it would lose the donated state and the call's
-        results."""
+        """Call the hook. An error it raises is kept for :meth:`raise_error`: raised here, in a
+        block's report or once the call committed, it would lose the call's results."""
         try:
             self.hook(steps, out)
         except Exception as error:  # kept (the first), and raised by the next call
             if self.error is None:
-                warn(f"The progress hook raised {error!r}; the next call raises it", RuntimeWarning)
                 self.error = error
+                warn(f"The progress hook raised {error!r}; the next call raises it", RuntimeWarning)
 
     def raise_error(self) -> None:
-        """Raise what the hook raised, if it did, as the next call starts (before it runs)."""
+        """Deliver the reports already computed, then raise what the hook raised, if it did,
+        as the next call starts (before it runs)."""
+        self._deliver_computed()
         error, self.error = self.error, None
         if error is not None:
             raise RuntimeError(
@@ -91,26 +89,93 @@ class Progress:
                 "That call completed and returned its results; fix the hook to go on."
             ) from error
 
-    def report(
-        self, output: Callable[[Any], Any] = lambda out: out
-    ) -> tuple[Any, int, Callable[[Any], None]] | None:
-        """What a ``"scan"`` window reports through: ``(cache key, every, callback)``, or
-        ``None`` where the device cannot call the host; ``output`` picks the step's output
-        from what the window's step returns (a guarded step returns it with its flag)."""
-        if not self.on_device:
+    def report(self, output: Callable[[Any], Any] = lambda out: out) -> tuple[int, Any] | None:
+        """How a ``"scan"`` window reports: ``(every, submit)``, ``submit(steps, last)``
+        handing over a block's steps and last output, or ``None`` where blocks are not
+        reported (see :attr:`within_calls`); ``output`` picks the step's output from what the
+        window's step returns (a guarded step returns it with its flag)."""
+        if not self.within_calls:
             return None
-        token, every = self._token, self.every
-        return ("progress", token), every, lambda out: _report(token, every, output(out))
+        return self.every, lambda steps, last: self._submit(steps, output, last)
 
     def ran(self, steps: int, reported: int) -> None:
-        """A window of ``steps`` ran, ``reported`` of them reported from the device."""
+        """A window of ``steps`` ran, ``reported`` of them reported by its blocks."""
         self._unreported += steps - reported
 
     def call_ended(self, outs: Any, stopped: Any = None) -> None:
-        """Report the call's steps that no device report covered, with its last output (or,
-        if a stop at a non-finite step kept none, with ``stopped``, that step's)."""
+        """Report the call's steps that no block report covered, with its last output (or, if
+        a stop at a non-finite step kept none, with ``stopped``, that step's); after a stop,
+        the blocks' reports first (the stop read the device: they are computed)."""
+        if stopped is not None:
+            self._deliver_computed()
         steps, self._unreported = self._unreported, 0
         leaves = jax.tree.leaves(outs)  # a step may output nothing
         if steps:
             kept = not leaves or len(leaves[0])
             self.tell(steps, jax.tree.map(lambda o: o[-1], outs) if kept else stopped)
+
+    def flush(self) -> None:
+        """Wait until every block handed over so far is reported (reporting them here if this
+        thread gets to them first)."""
+        while (item := self._head()) is not None:
+            self._deliver(item, wait=True)
+
+    def close(self) -> None:
+        """:meth:`flush`, then end the reporting thread (none is left inside JAX at exit)."""
+        self.flush()
+        with self._changed:
+            self._closed, reporter = True, self._reporter
+            self._changed.notify_all()
+        if reporter is not None and reporter is not threading.current_thread():
+            reporter.join()
+
+    # -- the reporting thread --------------------------------------------------------------
+    def _submit(self, steps: int, output: Callable[[Any], Any], last: Any) -> None:
+        with self._changed:
+            self._pending.append((steps, output, last))
+            if self._reporter is None:
+                self._reporter = threading.Thread(
+                    target=self._report_all, name="sinkax-progress", daemon=True
+                )
+                self._reporter.start()
+            self._changed.notify_all()
+
+    def _report_all(self) -> None:
+        """The reporting thread: each block in turn, once computed; ends when idle."""
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending or self._closed, IDLE_S)
+                if not self._pending:
+                    self._reporter = None
+                    return
+                item = self._pending[0]
+            self._deliver(item, wait=True)
+
+    def _head(self) -> tuple[int, Callable[[Any], Any], Any] | None:
+        with self._changed:
+            return self._pending[0] if self._pending else None
+
+    def _deliver_computed(self) -> None:
+        """Report, in this thread, the blocks at the front that the device has computed."""
+        while (item := self._head()) is not None and _computed(item[2]):
+            self._deliver(item, wait=False)
+
+    def _deliver(self, item: tuple[int, Callable[[Any], Any], Any], wait: bool) -> None:
+        """Report ``item`` if it is still the next to report (the other thread may have)."""
+        steps, output, last = item
+        if wait:  # outside the lock: the other thread may report what is computed meanwhile
+            with contextlib.suppress(Exception):  # a failed call's block: see below
+                jax.block_until_ready(last)
+        with self._delivering:
+            if self._head() is not item:
+                return
+            try:
+                try:
+                    out = output(jax.device_get(last))
+                except Exception:  # its compute failed, which its call raised: nothing to tell
+                    return
+                self.tell(steps, out)
+            finally:  # told once, even if a Ctrl-C stops the hook
+                with self._changed:
+                    self._pending.popleft()
+                    self._changed.notify_all()

@@ -27,14 +27,17 @@ from sinkax.execution.compiler import Compiler
 from sinkax.execution.guard import Guarded
 from sinkax.execution.programs import (
     StepFn,
+    concat_program,
     out_shape,
-    reporting_scan_program,
     scan_program,
     start_program,
     step_program,
+    with_last_output,
 )
 from sinkax.execution.rewrite import canonical_convs
 from sinkax.pytree import layout
+
+MAX_BLOCKS = 64  # reported blocks of a window at most: each is a dispatch, the join's inputs
 
 
 class Strategy(Protocol):
@@ -107,7 +110,7 @@ class Windowed(abc.ABC):
         """Executables dispatched to run a window of ``steps``."""
 
     def reported(self, steps: int) -> int:
-        """Steps of a window of ``steps`` that it reports from the device (see
+        """Steps of a window of ``steps`` that its blocks report (see
         :mod:`sinkax.execution.progress`): none."""
         return 0
 
@@ -148,7 +151,11 @@ class Windowed(abc.ABC):
 
 
 class Scan(Windowed):
-    """All steps of a window in one executable (:func:`~sinkax.execution.programs.scan_program`).
+    """All steps of a window in one executable (:func:`~sinkax.execution.programs.scan_program`);
+    with progress reports, a window of ``every`` steps or more in blocks of ``every`` steps
+    (at most :data:`MAX_BLOCKS`), one executable each, dispatched back to back (each block's
+    last output handed to ``submit``, see :mod:`sinkax.execution.progress`), then the steps
+    left, and their outputs joined by one more.
 
     Where XLA:CPU compiles it, the step's convolutions are put in XLA:CPU's canonical layout
     first (see :mod:`sinkax.execution.rewrite`): inside a loop body XLA:CPU does not do that
@@ -159,36 +166,67 @@ class Scan(Windowed):
 
     def __init__(self, fn: StepFn, compiler: Compiler, report: Any = None):
         super().__init__(fn, compiler)
-        self._report = report  # (key, every, callback): see sinkax.execution.progress
+        self._report = report  # (every, submit): see sinkax.execution.progress
+
+    def _blocks(self, steps: int) -> tuple[int, int, int]:
+        """``(size, blocks, left)``: the reported blocks of a window of ``steps`` -- of
+        ``every`` steps, or of a multiple of it where more than :data:`MAX_BLOCKS` would run
+        -- and the steps left after them."""
+        if self._report is None:
+            return 0, 0, steps
+        every = self._report[0]
+        size = every * -(-steps // (every * MAX_BLOCKS))
+        return size, *divmod(steps, size)
 
     def dispatches(self, steps: int) -> int:
-        return 1
+        _, blocks, rest = self._blocks(steps)
+        parts = blocks + bool(rest)
+        return parts + (parts > 1)
 
     def reported(self, steps: int) -> int:
-        """Steps of a window of ``steps`` that it reports from the device."""
-        return 0 if self._report is None else steps - steps % self._report[1]
+        """Steps of a window of ``steps`` that its blocks report."""
+        return steps - self._blocks(steps)[2]
 
     def executables(self, state: Any, chunk: Any, start: jax.Array, steps: int) -> Any:
-        def program() -> Any:
-            backend = backend_of(placement.of(chunk))
-            if self._report is None:
-                run = scan_window(self._fn, backend, steps)
-            else:  # each block of `every` steps reports once, the guard's re-run included
-                run = reporting_scan_program(
-                    self._fn,
-                    steps,
-                    *self._report[1:],
-                    window=lambda step, n: scan_window(step, backend, n),
-                )
-            return keeping_shardings(run, state)
+        """``(block, size, blocks, left, join)``: the executable of a block of ``size`` steps and
+        how often it runs, that of the steps left (or ``None``), that of the join (or
+        ``None``); all compiled now."""
+        backend = backend_of(placement.of(chunk))
 
-        variant = None if self._report is None else self._report[:2]
-        return self._compiler.get("scan", steps, program, state, chunk, start, variant=variant)
+        def window(n: int, last: bool = False) -> Any:
+            def program() -> Any:
+                run = scan_window(self._fn, backend, n)
+                return keeping_shardings(with_last_output(run) if last else run, state)
+
+            variant = "last output" if last else None
+            return self._compiler.get("scan", n, program, state, chunk, start, variant=variant)
+
+        size, blocks, rest = self._blocks(steps)
+        block = window(size, last=True) if blocks else None
+        left = window(rest) if rest else None
+        outs = [block.out_info[1]] * blocks if blocks else []
+        outs += [left.out_info[1]] if rest else []
+        join = None
+        if len(outs) > 1:  # compiled for the outputs' layouts, placements included
+            where = tuple(x.sharding for x in jax.tree.leaves(outs))
+            join = self._compiler.get(
+                "concat", len(outs), lambda: concat_program, outs, donate=False, variant=where
+            )
+        return block, size, blocks, left, join
 
     def launch(
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
     ) -> tuple[Any, Any, jax.Array]:
-        return executables(state, chunk, start)
+        block, size, blocks, left, join = executables
+        parts, end = [], start
+        for _ in range(blocks):
+            state, outs, end, last = block(state, chunk, end)
+            parts.append(outs)
+            self._report[1](size, last)
+        if left is not None:
+            state, outs, end = left(state, chunk, end)
+            parts.append(outs)
+        return state, join(parts) if join else parts[0], end
 
 
 class Loop(Windowed):

@@ -144,6 +144,12 @@ class DatasetHelper:
         """Where the next step reads, as :meth:`sinkax.Sink.data_state`: save it to resume."""
         return self._connected().data_state()
 
+    def block_until_ready(self) -> None:
+        """Wait for every call so far and its ``progress`` reports (see
+        :meth:`sinkax.Sink.block_until_ready`)."""
+        if self._sink is not None:
+            self._sink.block_until_ready()
+
     @property
     def stats(self) -> SinkStats | None:
         """The sink's :class:`~sinkax.SinkStats` (``None`` in non-sink mode)."""

@@ -90,9 +90,8 @@ class History(Callback):
 class ProgressBar(Callback):
     """A ``tqdm`` bar over all steps of the run, advanced while each sink runs.
 
-    The training sink reports every ``every``-th step from the device as it runs
-    (``progress=``, see :mod:`sinkax.execution.progress`), with that step's loss; where the
-    device runs no host callbacks (the emulated device) it reports once per sink. In non-sink
+    The training sink reports every ``every``-th step as the device computes it
+    (``progress=``, see :mod:`sinkax.execution.progress`), with that step's loss. In non-sink
     mode, a sink of one step per call, the bar advances after every step. A text bar, in a
     notebook too: a widget bar's saved output is its text when first shown (``0%``), where a
     text bar's reads as it ended.
@@ -118,8 +117,7 @@ class ProgressBar(Callback):
         self._start = run.step
 
     def on_step_end(self, run: RunContext) -> None:
-        if run.nonfinite is not None:  # the device reported the steps a stop discarded too
-            jax.effects_barrier()
+        if run.nonfinite is not None:  # the blocks reported the steps a stop discarded too
             self.bar.n = run.step - self._start
             self.bar.refresh()
 
@@ -132,7 +130,7 @@ class ProgressBar(Callback):
         self.bar.set_postfix(epoch=self._epoch, loss=f"{float(out['loss']):.4f}")
 
     def on_train_end(self, run: RunContext) -> None:
-        jax.effects_barrier()  # the device's last reports reach the bar before it closes
+        run.helper.block_until_ready()  # the last reports reach the bar before it closes
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
