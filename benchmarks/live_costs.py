@@ -1,11 +1,11 @@
 """What staying live costs: a sink with ``stop_if_nonfinite`` and with ``progress`` against the
 same sink without, side by side (issue 24's targets: each at most 3 % slower, MLP, sink 1000,
-one report per 100 steps); and, as the floor of what ``progress`` can cost, JAX's own host
-callback: a hand-written ``lax.scan`` over a chunk already on the device with a
+one report per 100 steps); and, beside them, what reporting through JAX's own host callback
+costs: a hand-written ``lax.scan`` over a chunk already on the device with a
 ``jax.debug.callback`` every 100 steps, against the same scan without.
 
-Every mode runs the same step, sink size and strategy (``"scan"``: what a GPU runs, and the only
-strategy that reports from the device), timed as ``benchmarks/sink_sizes.py`` times a sink (a new
+Every mode runs the same step, sink size and strategy (``"scan"``: what a GPU runs, and the
+strategy whose windows report from blocks), timed as ``benchmarks/sink_sizes.py`` times a sink (a new
 sink per timed run after its warm calls; executables compiled before); the modes take turns
 within each repeat, so that a change in the machine's load hits all of them. Every figure is a
 median over repeats, every ratio compares figures of this one run.
