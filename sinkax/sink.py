@@ -21,7 +21,6 @@ import jax
 
 from sinkax import context, interrupt, peers, pjrt, placement
 from sinkax.channel.cursor import Cursor
-from sinkax.channel.plan import chunk_steps
 from sinkax.channel.position import DataPosition
 from sinkax.channel.source import as_source
 from sinkax.config import SinkConfig, known_options
@@ -222,10 +221,7 @@ class Sink:
         ``state`` may be concrete or abstract (``jax.ShapeDtypeStruct``); omit it for a
         stateless sink. Waits for the first batch to learn the batch layout.
         """
-        spec = self._cursor.first_spec()
-        most = chunk_steps(self.config.max_chunk_bytes, spec)
-        steps = min(self.steps_per_call or most, most)
-        return self._executor.lower(state, spec, steps)
+        return self._executor.lower(state, self._cursor.first_spec(), self.steps_per_call)
 
     epoch = property(lambda self: self._cursor.epoch, doc="Epoch of the next batch (from 0).")
     step = property(lambda self: self._cursor.step, doc="Step within the epoch of the next batch.")
@@ -263,12 +259,15 @@ class Sink:
             self._executor.progress.raise_error()
 
     def _shut(self) -> None:  # close(), leaving a progress hook's error to the next close()
-        if self._executor.progress:
-            self._executor.progress.close()
-        if not self._closed:
-            self._closed = True
-            self._cursor.close(running=self._running)
-        interrupt.release()
+        try:
+            if not self._closed:
+                self._closed = True
+                self._cursor.close(running=self._running)
+        finally:  # then every progress report (a Ctrl-C in the hook leaves the sink closed)
+            try:
+                self._executor.close()
+            finally:
+                interrupt.release()
 
     def __enter__(self) -> Sink:
         return self

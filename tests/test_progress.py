@@ -1,14 +1,17 @@
 """``progress=``: a sink reports every k-th step from inside a call, as its device computes it."""
 
 import functools
-import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import default_backend, needs_plugin
+from conftest import default_backend, needs_plugin, producer_threads, producers_left
 
 import sinkax
 from sinkax.execution import progress as progress_module
@@ -91,9 +94,10 @@ def test_a_sink_that_stops_at_nan_reports_the_steps_outputs():
         progress_every=4,
     ) as sink:
         sink(np.float32(0))
-        # told as the stop returns: step 4's loss, then step 8's (not finite, not kept)
-        assert reports[0] == (4, 6.0) and reports[1][0] == 4 and np.isnan(reports[1][1])
-    assert reports[2:] == [(2, 21.0)]  # the host's: steps 9 and 10, with the last kept output
+    # step 4's loss, then step 8's (not finite, not kept), then steps 9 and 10 as the call
+    # returned, with the last kept output (step 7's)
+    assert reports[0] == (4, 6.0) and reports[1][0] == 4 and np.isnan(reports[1][1])
+    assert reports[2:] == [(2, 21.0)]
 
 
 @pytest.mark.parametrize("strategy", ["loop", "scan"])  # a report from the host, a block
@@ -127,6 +131,7 @@ def test_a_hooks_error_unraised_by_a_call_comes_from_close_even_within_an_except
     sink = sinkax.data_sink(running_sum, DATA, 5, strategy="loop", progress=hook)
     with pytest.warns(RuntimeWarning):
         total, _ = sink(np.float32(0))
+        sink.block_until_ready()  # its report told
     try:
         raise FileNotFoundError  # an error handled before, unrelated
     except FileNotFoundError:
@@ -135,18 +140,117 @@ def test_a_hooks_error_unraised_by_a_call_comes_from_close_even_within_an_except
     assert float(total) == 10.0
 
 
-def test_a_ctrl_c_in_the_hooks_end_of_call_report_is_held_with_the_results_returned():
-    sink = sinkax.data_sink(
-        running_sum,
-        DATA,
-        5,
-        strategy="loop",
-        progress=lambda *_: signal.raise_signal(signal.SIGINT),
-    )
-    total, outs = sink(np.float32(0))  # the call returns its results, the Ctrl-C held
-    assert float(total) == 10.0 and outs["loss"].tolist() == losses(5) and sink.step == 5
+def test_a_ctrl_c_while_close_tells_the_reports_leaves_the_sink_closed(monkeypatch):
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    sink = sinkax.data_sink(running_sum, DATA, 5, strategy="scan", progress=lambda *_: None)
+    before = producer_threads()
+    total, _ = sink(np.float32(0))
+    monkeypatch.setattr(progress_module.Progress, "close", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        sink.close()  # where the held Ctrl-C goes on
+        sink.close()
+    assert producers_left(before) == []
+    with pytest.raises(sinkax.SinkClosedError):
+        sink(total)
+
+
+def test_the_reports_are_told_in_step_order_one_at_a_time():
+    told, active, overlaps = [], [], []
+
+    def hook(steps, out):
+        active.append(steps)
+        overlaps.append(len(active))
+        time.sleep(0.01)  # long enough for a second thread to come in, if one did
+        told.append((steps, float(out["loss"]), type(out["loss"])))
+        active.pop()
+
+    with sinkax.data_sink(
+        running_sum, DATA, 25, strategy="scan", progress=hook, progress_every=10
+    ) as sink:
+        total, _ = sink(np.float32(0))
+        sink(total)
+    loss = losses(50)
+    assert [(steps, value) for steps, value, _ in told] == [
+        (10, loss[9]),
+        (10, loss[19]),
+        (5, loss[24]),  # as the call returned, after its blocks
+        (10, loss[34]),
+        (10, loss[44]),
+        (5, loss[49]),
+    ]
+    assert max(overlaps) == 1
+    assert {kind for *_, kind in told} == {np.ndarray}  # the call's own report too
+
+
+@pytest.mark.parametrize("wait", ["block_until_ready", "close"])
+def test_a_hook_may_wait_for_the_sinks_reports_itself(wait):
+    sinks = []
+    told = []
+
+    def hook(steps, out):
+        told.append(steps)
+        getattr(sinks[0], wait)()  # returns at once: the report it is in would wait for itself
+
+    sink = sinkax.data_sink(
+        running_sum, DATA, 20, strategy="scan", progress=hook, progress_every=10
+    )
+    sinks.append(sink)
+    sink(np.float32(0))
+    sink.close()
+    assert told[0] == 10 and sum(told) == 20
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_reporting_thread_that_ended_is_replaced():
+    told, last = [], threading.Event()
+
+    def hook(steps, out):
+        told.append(steps)
+        if len(told) == 1:
+            raise SystemExit  # ends the thread it runs in
+        if len(told) == 4:
+            last.set()
+
+    with sinkax.data_sink(
+        running_sum, DATA, 20, strategy="scan", progress=hook, progress_every=10
+    ) as sink:
+        total, _ = sink(np.float32(0))
+        sink(total)
+        assert last.wait(30)  # the 4 reports told, by threads of their own (none waited here)
+
+
+def test_a_sink_left_open_at_exit_tells_its_reports_and_exits_cleanly():
+    script = textwrap.dedent(
+        """
+        import atexit
+
+        told = []
+        atexit.register(lambda: print("told", sum(told)))  # runs after sinkax's own (LIFO)
+
+        import jax.numpy as jnp
+        import numpy as np
+
+        import sinkax
+
+        def slow(total, batch):  # a chain of matrix products: the reports are due at exit
+            for _ in range(4):
+                total = jnp.tanh(total @ batch)
+            return total, total[0, 0]
+
+        data = [np.eye(256, dtype=np.float32)] * 8
+        sink = sinkax.data_sink(
+            slow, data, 200, strategy="scan", progress=lambda n, out: told.append(n),
+            progress_every=10,
+        )
+        sink(np.ones((256, 256), np.float32))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "told 200" in done.stdout
 
 
 def test_a_call_that_stops_at_its_first_step_still_reports_its_steps():
@@ -229,8 +333,10 @@ def test_a_hook_that_waits_does_not_hold_up_the_device():
     with sinkax.data_sink(
         running_sum, DATA, 30, strategy="scan", progress=hook, progress_every=10
     ) as sink:
-        _, outs = jax.block_until_ready(sink(np.float32(0)))  # its 3 blocks all ran
+        total, outs = jax.block_until_ready(sink(np.float32(0)))  # its 3 blocks all ran
         assert outs["loss"].tolist() == losses(30)  # ready while the hook waits
+        _, outs = jax.block_until_ready(sink(total))  # and the next call runs too
+        assert outs["loss"].tolist() == losses(60)[30:]
         assert told.wait(30)
         release.set()
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from sinkax import placement
 from sinkax.backend import backend_of
+from sinkax.channel.plan import chunk_steps
 from sinkax.config import SinkConfig
 from sinkax.execution import choice as strategies
 from sinkax.execution.auto import Auto
@@ -59,6 +60,7 @@ class Executor:
         recorded: str | None = None,
     ):
         self.fn, self.jit, self._sharding = fn, config.jit, config.sharding
+        self._max_chunk_bytes = config.max_chunk_bytes
         self.chosen = strategies.pinned(  # what "auto" would measure
             strategies.resolve(
                 config.strategy,
@@ -107,6 +109,11 @@ class Executor:
         self._settle()
         if self.progress:
             self.progress.flush()
+
+    def close(self) -> None:
+        """Tell every progress report and end the reporting thread (the sink is closing)."""
+        if self.progress:
+            self.progress.close()
 
     @property
     def feed(self) -> str:
@@ -302,9 +309,12 @@ class Executor:
         self._handed_back = (returned, carry, jax.tree.leaves(returned))
         return returned
 
-    def lower(self, state: Any, spec: BatchSpec, steps: int) -> jax.stages.Lowered:
-        """The scan executable of a window of ``steps`` batches of layout ``spec``, lowered;
-        ``state`` concrete or abstract, :data:`NO_STATE` for a stateless step."""
+    def lower(self, state: Any, spec: BatchSpec, steps_per_call: int | None) -> jax.stages.Lowered:
+        """The scan executable of a window of batches of layout ``spec``, lowered: a chunk's
+        worth (:func:`~sinkax.channel.plan.chunk_steps`), or a call's if less; ``state``
+        concrete or abstract, :data:`NO_STATE` for a stateless step."""
+        most = chunk_steps(self._max_chunk_bytes, spec)
+        steps = min(steps_per_call or most, most)
         if state is NO_STATE:
             fn, state = stateless(self.fn), ()
         else:

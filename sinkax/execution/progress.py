@@ -5,33 +5,40 @@ latest of them (numpy). A ``"scan"`` window of ``k`` steps or more runs as block
 steps (of a multiple of ``k`` where a window would hold more than
 :data:`~sinkax.execution.windowed.MAX_BLOCKS`), one executable each, dispatched back to back,
 their outputs joined by one more (:class:`~sinkax.execution.windowed.Scan`). Each block's last
-output is reported from the sink's reporting thread once the device has computed it, while the
-later blocks run: the device never waits for the host. The steps no block covers -- a window's
-last ``steps % k``, every step of another strategy (``"loop"``, ``"step"``, eager) -- are
-reported from the host when the call returns; over the devices of several ``jax.distributed``
-processes, every step is (a block's outputs are not all in one process). So the reports add up
-to every step the sink ran; the host's may come before the blocks' of the same call.
+output is reported once the device has computed it, while the later blocks run: the device
+never waits for the host. The steps no block covers -- a window's last ``steps % k``, every step
+of another strategy (``"loop"``, ``"step"``, eager) -- are reported as the call returns, with
+its last output; over the devices of several ``jax.distributed`` processes, every step is (a
+block's outputs are not all in one process). So the reports add up to every step the sink ran.
 
-A call first delivers the reports of blocks already computed (and raises what the hook raised
-in them); :meth:`Progress.flush` -- ``Sink.block_until_ready()``, ``Sink.close()`` -- waits
-for every report. Off (the default), the sink compiles its plain programs.
+Every report goes through one queue, in step order, told one at a time by the sink's reporting
+thread: a slow hook holds up nothing but the reports after it. :meth:`Progress.flush` --
+``Sink.block_until_ready()``, ``Sink.close()`` -- waits for every report (telling them in the
+waiting thread if it gets to them first). An error the hook raises is kept, and raised by the
+next call to start after it, or by ``close()``. Off (the default), the sink compiles its plain
+programs.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import numbers
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from sinkax.errors import warn
 
 Hook = Callable[[int, Any], None]
+Report = tuple[int, Callable[[Any], Any], Any]  # steps, pick the output, the output (device)
 IDLE_S = 1.0  # a reporting thread with nothing to report for this long ends (a later one starts)
+_open: weakref.WeakSet[Progress] = weakref.WeakSet()  # closed at exit: no thread left in JAX
 
 
 def check(hook: Any, every: Any) -> None:
@@ -45,9 +52,19 @@ def check(hook: Any, every: Any) -> None:
         raise ValueError(f"progress_every must be an int >= 1 (steps per report), got {every!r}.")
 
 
-def _computed(tree: Any) -> bool:
-    """Whether the device has computed every array of ``tree`` (never waits)."""
-    return all(x.is_ready() for x in jax.tree.leaves(tree))
+def _on_host(tree: Any) -> Any:
+    """``tree`` with its arrays read to the host (waiting for them), but those spread over
+    other processes' devices too, which stay as they are."""
+    return jax.tree.map(
+        lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x,
+        tree,
+    )
+
+
+@atexit.register
+def _close_open() -> None:
+    for progress in list(_open):
+        progress.close()
 
 
 class Progress:
@@ -59,14 +76,13 @@ class Progress:
         self.within_calls = sharding.is_fully_addressable
         self._unreported = 0
         self.error: Exception | None = None  # the hook's first, raised by the next call
-        # (steps, pick the output, the block's last output on the device), in step order
-        self._pending: collections.deque[tuple[int, Callable[[Any], Any], Any]] = (
-            collections.deque()
-        )
+        self._pending: collections.deque[Report] = collections.deque()  # in step order
         self._changed = threading.Condition()  # guards _pending and _reporter
         self._delivering = threading.Lock()  # one report at a time, in order
         self._reporter: threading.Thread | None = None
-        self._closed = False  # no block is handed over after: the thread ends once idle
+        self._telling: int | None = None  # the thread in the hook now
+        self._closed = False  # nothing is handed over after: the thread ends once idle
+        _open.add(self)
 
     def tell(self, steps: int, out: Any) -> None:
         """Call the hook. An error it raises is kept for :meth:`raise_error`: raised here, in a
@@ -79,9 +95,7 @@ class Progress:
                 warn(f"The progress hook raised {error!r}; the next call raises it", RuntimeWarning)
 
     def raise_error(self) -> None:
-        """Deliver the reports already computed, then raise what the hook raised, if it did,
-        as the next call starts (before it runs)."""
-        self._deliver_computed()
+        """Raise what the hook raised, if it did, as the next call starts (before it runs)."""
         error, self.error = self.error, None
         if error is not None:
             raise RuntimeError(
@@ -104,21 +118,19 @@ class Progress:
 
     def call_ended(self, outs: Any, stopped: Any = None) -> None:
         """Report the call's steps that no block report covered, with its last output (or, if
-        a stop at a non-finite step kept none, with ``stopped``, that step's); after a stop,
-        the blocks' reports first (the stop read the device: they are computed)."""
-        if stopped is not None:
-            self._deliver_computed()
+        a stop at a non-finite step kept none, with ``stopped``, that step's)."""
         steps, self._unreported = self._unreported, 0
         leaves = jax.tree.leaves(outs)  # a step may output nothing
         if steps:
             kept = not leaves or len(leaves[0])
-            self.tell(steps, jax.tree.map(lambda o: o[-1], outs) if kept else stopped)
+            last = jax.tree.map(lambda o: o[-1], outs) if kept else stopped
+            self._submit(steps, lambda out: out, last)
 
     def flush(self) -> None:
-        """Wait until every block handed over so far is reported (reporting them here if this
-        thread gets to them first)."""
-        while (item := self._head()) is not None:
-            self._deliver(item, wait=True)
+        """Wait until every report handed over so far is told (telling them here if this thread
+        gets to them first); at once from inside the hook, which would wait for itself."""
+        while self._telling != threading.get_ident() and (item := self._head()) is not None:
+            self._deliver(item)
 
     def close(self) -> None:
         """:meth:`flush`, then end the reporting thread (none is left inside JAX at exit)."""
@@ -141,41 +153,40 @@ class Progress:
             self._changed.notify_all()
 
     def _report_all(self) -> None:
-        """The reporting thread: each block in turn, once computed; ends when idle."""
-        while True:
+        """The reporting thread: each report in turn, once computed; ends when idle."""
+        try:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._pending or self._closed, IDLE_S)
+                    if not self._pending:
+                        return
+                    item = self._pending[0]
+                self._deliver(item)
+        finally:  # (a hook's SystemExit, say, ends it too: the next report starts another)
             with self._changed:
-                self._changed.wait_for(lambda: self._pending or self._closed, IDLE_S)
-                if not self._pending:
-                    self._reporter = None
-                    return
-                item = self._pending[0]
-            self._deliver(item, wait=True)
+                self._reporter = None
 
-    def _head(self) -> tuple[int, Callable[[Any], Any], Any] | None:
+    def _head(self) -> Report | None:
         with self._changed:
             return self._pending[0] if self._pending else None
 
-    def _deliver_computed(self) -> None:
-        """Report, in this thread, the blocks at the front that the device has computed."""
-        while (item := self._head()) is not None and _computed(item[2]):
-            self._deliver(item, wait=False)
-
-    def _deliver(self, item: tuple[int, Callable[[Any], Any], Any], wait: bool) -> None:
-        """Report ``item`` if it is still the next to report (the other thread may have)."""
+    def _deliver(self, item: Report) -> None:
+        """Tell ``item`` if it is still the next to tell (the other thread may have)."""
         steps, output, last = item
-        if wait:  # outside the lock: the other thread may report what is computed meanwhile
-            with contextlib.suppress(Exception):  # a failed call's block: see below
-                jax.block_until_ready(last)
+        with contextlib.suppress(Exception):  # (a failed call's output: see below)
+            jax.block_until_ready(last)  # outside the lock: the other thread may tell meanwhile
         with self._delivering:
             if self._head() is not item:
                 return
+            self._telling = threading.get_ident()
             try:
                 try:
-                    out = output(jax.device_get(last))
+                    out = output(_on_host(last))
                 except Exception:  # its compute failed, which its call raised: nothing to tell
                     return
                 self.tell(steps, out)
             finally:  # told once, even if a Ctrl-C stops the hook
+                self._telling = None
                 with self._changed:
                     self._pending.popleft()
                     self._changed.notify_all()

@@ -118,6 +118,7 @@ class ProgressBar(Callback):
 
     def on_step_end(self, run: RunContext) -> None:
         if run.nonfinite is not None:  # the blocks reported the steps a stop discarded too
+            run.helper.block_until_ready()
             self.bar.n = run.step - self._start
             self.bar.refresh()
 
