@@ -165,7 +165,7 @@ class Sink:
         # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
         if stopped is None:
             cursor.commit(piece, compiling=executor.compiler.seconds - compiled_s)
-        if executor.progress:  # the steps no block report covered (a Ctrl-C in it: held)
+        if executor.progress:  # the steps no block report covered: queued to be told
             executor.progress.call_ended(outs, stopped)
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
@@ -251,7 +251,7 @@ class Sink:
         self._executor.wait()
 
     def close(self) -> None:
-        """Deliver every ``progress`` report, stop the producer and free the device chunks
+        """Stop the producer, free the device chunks and tell every ``progress`` report
         (idempotent); then raise what the hook raised in the last call if no call has. A call
         waiting for data in another thread fails at once with ``SinkClosedError``."""
         self._shut()
