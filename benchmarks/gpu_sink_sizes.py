@@ -6,9 +6,10 @@ with transfers issued 2 steps ahead and the hand-written ``lax.scan`` over chunk
 sinkax at sink sizes 1, 10, 100, 1000 and one epoch -- a new sink per timed run --, and the
 device-only bounds), medians over repeats; then (but for the transformer), at sink sizes 10 and
 1000, ``pinned``: the sink with ``pin_memory=True`` (chunks built in pinned host memory, moved
-by DMA), and ``no copiers``: the sink of the same batches as an iterable that is no list, which
+by DMA), ``no copiers``: the sink of the same batches as an iterable that is no list, which
 the producer copies one by one before it reads the next, where a list's are copied by copier
-threads (on a host of 8 cores or more; see sinkax.channel.packers). Per sink size also ``first
+threads (on a host of 8 cores or more; see sinkax.channel.packers), and ``1 copier``: the
+list's batches copied by one such thread instead of up to 4. Per sink size also ``first
 call s``: a fresh sink's first call once its executables are compiled (the producer's start and
 first chunk included), and ``cold first call s``: the first call of the first sink of the
 step, compiles included. The device's peak memory (``memory_stats()["peak_bytes_in_use"]``)
@@ -32,6 +33,7 @@ import sink_sizes
 from _common import fresh, machine, table, workload
 
 import sinkax
+from sinkax.channel import packers
 
 WORKLOADS = ("mlp", "lenet", "transformer")
 SIZES, DRY_SIZES = (1, 10, 100, 1000, -1), (1, 2, -1)
@@ -64,6 +66,24 @@ class Iterated:
         return iter(self.batches)
 
 
+def one_copier(mode, run):
+    """``run`` with its sinks' batches copied by one copier thread instead of
+    :func:`~sinkax.channel.packers.spare_copiers`' (4 on a host of 16 cores), for the modes
+    named ``1 copier N``: whether fewer threads beside the calls, each handed more batches at
+    once, leave their launches freer."""
+    if not mode.startswith("1 copier"):
+        return run
+
+    def with_one():
+        spare, packers.spare_copiers = packers.spare_copiers, lambda: 1
+        try:
+            return run()
+        finally:
+            packers.spare_copiers = spare
+
+    return with_one
+
+
 def bench(w, steps, repeats, sizes, varied):
     """Rows of the table for workload ``w``, one per mode (see :func:`sink_sizes.measure`)."""
     cold = {}
@@ -72,7 +92,8 @@ def bench(w, steps, repeats, sizes, varied):
     iterated = dataclasses.replace(w, batches=Iterated(w.batches))
     variants = [(f"pinned {size}", size, w, {"pin_memory": True}) for size in varied]
     variants += [(f"no copiers {size}", size, iterated, {}) for size in varied]
-    rows = sink_sizes.measure(w, steps, repeats, sizes, variants=variants)
+    variants += [(f"1 copier {size}", size, w, {}) for size in varied]
+    rows = sink_sizes.measure(w, steps, repeats, sizes, variants=variants, wrap=one_copier)
     for row in rows:
         if row["mode"] in cold:
             size = -1 if "epoch" in row["mode"] else int(row["mode"].split()[1])

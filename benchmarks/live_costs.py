@@ -5,8 +5,8 @@ costs: a hand-written ``lax.scan`` over a chunk already on the device with a
 ``jax.debug.callback`` every 100 steps, against the same scan without.
 
 Every mode runs the same step, sink size and strategy (``"scan"``: what a GPU runs, and the
-strategy whose windows report from blocks), timed as ``benchmarks/sink_sizes.py`` times a sink (a new
-sink per timed run after its warm calls; executables compiled before); the modes take turns
+strategy whose windows report from blocks), timed as ``benchmarks/sink_sizes.py`` times a sink
+(a new sink per timed run after its warm calls; executables compiled before); the modes take turns
 within each repeat, so that a change in the machine's load hits all of them. Every figure is a
 median over repeats, every ratio compares figures of this one run.
 
