@@ -203,11 +203,12 @@ def test_a_hook_may_wait_for_the_sinks_reports_itself(wait):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_reporting_thread_that_ended_is_replaced():
-    told, last = [], threading.Event()
+    told, last, ended = [], threading.Event(), []
 
     def hook(steps, out):
         told.append(steps)
         if len(told) == 1:
+            ended.append(threading.current_thread())
             raise SystemExit  # ends the thread it runs in
         if len(told) == 4:
             last.set()
@@ -218,6 +219,7 @@ def test_a_reporting_thread_that_ended_is_replaced():
         total, _ = sink(np.float32(0))
         sink(total)
         assert last.wait(30)  # the 4 reports told, by threads of their own (none waited here)
+        ended[0].join(30)  # (its exit reported within this test)
 
 
 def test_a_sink_left_open_at_exit_tells_its_reports_and_exits_cleanly():

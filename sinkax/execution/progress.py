@@ -133,12 +133,13 @@ class Progress:
             self._deliver(item)
 
     def close(self) -> None:
-        """:meth:`flush`, then end the reporting thread (none is left inside JAX at exit)."""
+        """:meth:`flush`, then end the reporting thread (none is left inside JAX at exit); from
+        inside the hook, only mark it closed (the report it is in would wait for itself)."""
         self.flush()
         with self._changed:
             self._closed, reporter = True, self._reporter
             self._changed.notify_all()
-        if reporter is not None and reporter is not threading.current_thread():
+        if reporter is not None and self._telling != threading.get_ident():
             reporter.join()
 
     # -- the reporting thread --------------------------------------------------------------
@@ -146,11 +147,14 @@ class Progress:
         with self._changed:
             self._pending.append((steps, output, last))
             if self._reporter is None:
-                self._reporter = threading.Thread(
-                    target=self._report_all, name="sinkax-progress", daemon=True
-                )
-                self._reporter.start()
+                self._start_reporter()
             self._changed.notify_all()
+
+    def _start_reporter(self) -> None:  # (under _changed)
+        self._reporter = threading.Thread(
+            target=self._report_all, name="sinkax-progress", daemon=True
+        )
+        self._reporter.start()
 
     def _report_all(self) -> None:
         """The reporting thread: each report in turn, once computed; ends when idle."""
@@ -158,13 +162,17 @@ class Progress:
             while True:
                 with self._changed:
                     self._changed.wait_for(lambda: self._pending or self._closed, IDLE_S)
-                    if not self._pending:
+                    if not self._pending:  # (a report handed over later starts another)
+                        self._reporter = None
                         return
                     item = self._pending[0]
                 self._deliver(item)
-        finally:  # (a hook's SystemExit, say, ends it too: the next report starts another)
+        except BaseException:  # a hook's SystemExit, say: the reports after it go on
             with self._changed:
                 self._reporter = None
+                if self._pending:
+                    self._start_reporter()
+            raise
 
     def _head(self) -> Report | None:
         with self._changed:
