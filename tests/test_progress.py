@@ -1,6 +1,7 @@
 """``progress=``: a sink reports every k-th step from inside a call, as its device computes it."""
 
 import functools
+import os
 import subprocess
 import sys
 import textwrap
@@ -401,3 +402,33 @@ def test_the_reporting_thread_ends_once_idle(monkeypatch):
         assert not reporter.is_alive()
         total, _ = sink(total)  # a new one reports the next call's blocks
     assert len(told) == 4
+
+
+def test_a_sink_over_several_cpu_devices_reports_its_blocks_as_without_progress():
+    # each block all-reduces over 4 forced devices; XLA:CPU's devices deadlocked with many such
+    # executables in flight, so there the blocks go one at a time
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np, sinkax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        sharding = NamedSharding(mesh, P("data"))
+        data = [{"x": np.full((8, 3), i, np.float32)} for i in range(50)]
+        step = lambda s, b: (s + jnp.mean(b["x"]), s)
+        results, told = [], []
+        for progress in (None, lambda n, out: told.append(n)):
+            with sinkax.data_sink(step, data, 200, strategy="scan", sharding=sharding,
+                                  progress=progress, progress_every=2) as sink:
+                state, outs = sink(jnp.float32(0))
+                results.append((float(state), np.asarray(outs).tolist()))
+        assert results[0] == results[1], results
+        print("told", sum(told), len(told))
+        """
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "told 200 50" in done.stdout  # 100 blocks would be too many: 50 of 4 steps

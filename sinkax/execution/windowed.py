@@ -73,6 +73,13 @@ def scan_window(fn: StepFn, backend: Backend, steps: int) -> Any:
     return scan_program(loop_body(fn, backend), steps)
 
 
+def one_in_flight(chunk: Any) -> bool:
+    """Whether a window over ``chunk`` must wait for each executable it dispatches: over several
+    XLA:CPU devices, whose collectives deadlocked with many executables in flight."""
+    sharding = placement.of(chunk)
+    return len(sharding.device_set) > 1 and backend_of(sharding).xla_cpu
+
+
 def keeping_shardings(program: Callable[..., Any], state: Any) -> Callable[..., Any]:
     """``program`` (whose first argument and first result are the state, or for
     :func:`~sinkax.execution.programs.step_program` begin with it) returning the state placed as
@@ -218,11 +225,13 @@ class Scan(Windowed):
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
     ) -> tuple[Any, Any, jax.Array]:
         block, size, blocks, left, join = executables
-        parts, end = [], start
+        parts, end, bounded = [], start, one_in_flight(chunk)
         for _ in range(blocks):
             state, outs, end, last = block(state, chunk, end)
             parts.append(outs)
             self._report[1](size, last)
+            if bounded:
+                jax.block_until_ready(last)
         if left is not None:
             state, outs, end = left(state, chunk, end)
             parts.append(outs)
@@ -264,9 +273,8 @@ class Loop(Windowed):
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
     ) -> tuple[Any, Any, jax.Array]:
         begin, step = executables
-        sharding = placement.of(chunk)
-        devices = sharding.device_set
-        bounded = len(devices) > 1 and backend_of(sharding).xla_cpu
+        devices = placement.of(chunk).device_set
+        bounded = one_in_flight(chunk)
         started, self._started = self._started or begin(start), None
         carry = (state, *started)
         for i in range(steps):
@@ -275,6 +283,6 @@ class Loop(Windowed):
                 step = self._compiler.get(  # carry sharded otherwise
                     "step", steps, self._step_program(state), carry, chunk
                 )
-            if bounded:  # XLA:CPU's devices deadlock in a collective with many steps in flight
+            if bounded:
                 jax.block_until_ready(carry)
         return carry[0], carry[1], carry[2]
