@@ -441,3 +441,36 @@ def test_batches_the_sharding_cannot_split_fail_by_name_and_keep_the_state(
             assert "multiple of 2" in message and alive
         else:
             assert result["3"] == 2 * 3 * 2 * processes
+
+
+CALLS_IN_FLIGHT = """
+import jax, jax.numpy as jnp, numpy as np, sinkax
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+sharding = NamedSharding(mesh, P("data"))
+data = [{"x": np.full((8, 3), i, np.float32)} for i in range(50)]
+step = lambda s, b: (s + jnp.mean(b["x"]), s)  # an all-reduce over the 4 devices each step
+for size in (5, "auto"):
+    with sinkax.data_sink(step, data, size, sharding=sharding, call_seconds=0.01) as sink:
+        state = jnp.float32(0)
+        for _ in range(200):  # none waited for
+            state, outs = sink(state)
+        print(size, sink.stats.steps, float(state))
+"""
+
+
+def test_many_calls_in_flight_over_forced_cpu_devices_run_to_the_end():
+    # XLA:CPU's forced devices deadlocked in an all-reduce (the process aborted after 40 s)
+    # with many windows in flight; each window now waits for the last one's compute there
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = subprocess.run(
+        [sys.executable, "-c", CALLS_IN_FLIGHT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    assert lines[0] == "5 1000 24500.0"  # sum over 1000 steps of the batches' means (0..49)
+    assert lines[1].startswith("auto ")

@@ -74,8 +74,9 @@ def scan_window(fn: StepFn, backend: Backend, steps: int) -> Any:
 
 
 def one_in_flight(chunk: Any) -> bool:
-    """Whether a window over ``chunk`` must wait for each executable it dispatches: over several
-    XLA:CPU devices, whose collectives deadlocked with many executables in flight."""
+    """Whether windows over ``chunk`` dispatch one executable at a time, each after the last
+    one's compute: over several XLA:CPU devices, whose collectives deadlocked with many
+    executables in flight (a loop of sink calls that waited for none aborted the process)."""
     sharding = placement.of(chunk)
     return len(sharding.device_set) > 1 and backend_of(sharding).xla_cpu
 
@@ -111,6 +112,7 @@ class Windowed(abc.ABC):
         self._positions: dict[Any, jax.Array] = {}  # first positions, by value and devices
         self._end: tuple[int, Any] = (-1, None)  # where the last window ended, and on the device
         self._last: tuple[Any, Any, Any] = (None, None, None)  # state out, window, executables
+        self._bounded = False  # one executable in flight at a time: see one_in_flight
 
     @abc.abstractmethod
     def dispatches(self, steps: int) -> int:
@@ -150,6 +152,9 @@ class Windowed(abc.ABC):
         last_state, last_window, executables = self._last
         if state is not last_state or window != last_window:
             executables = self.executables(state, chunk, start, steps)
+            self._bounded = one_in_flight(chunk)
+        if self._bounded and self.done is not None:  # the last window's compute (a call's too)
+            jax.block_until_ready(self.done)
         state, outs, end = self.launch(executables, state, chunk, start, steps)
         self._last = (state, window, executables)  # the usual next call passes `state` back
         self._end = (offset + steps, end)
@@ -225,12 +230,12 @@ class Scan(Windowed):
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
     ) -> tuple[Any, Any, jax.Array]:
         block, size, blocks, left, join = executables
-        parts, end, bounded = [], start, one_in_flight(chunk)
+        parts, end = [], start
         for _ in range(blocks):
             state, outs, end, last = block(state, chunk, end)
             parts.append(outs)
             self._report[1](size, last)
-            if bounded:
+            if self._bounded:
                 jax.block_until_ready(last)
         if left is not None:
             state, outs, end = left(state, chunk, end)
@@ -274,7 +279,6 @@ class Loop(Windowed):
     ) -> tuple[Any, Any, jax.Array]:
         begin, step = executables
         devices = placement.of(chunk).device_set
-        bounded = one_in_flight(chunk)
         started, self._started = self._started or begin(start), None
         carry = (state, *started)
         for i in range(steps):
@@ -283,6 +287,6 @@ class Loop(Windowed):
                 step = self._compiler.get(  # carry sharded otherwise
                     "step", steps, self._step_program(state), carry, chunk
                 )
-            if bounded:
+            if self._bounded:
                 jax.block_until_ready(carry)
         return carry[0], carry[1], carry[2]
