@@ -11,7 +11,8 @@ Two parts, each timed as interleaved repeats in one process (ratios compare figu
   a user writes for data parallelism -- ``jax.jit(step)`` on ``jax.device_put(batch, sharding)``
   each step, the state replicated; target >= 1.0x. That loop waits for its step every
   ``--block-every`` steps (default 1): unbounded, its queued steps' all-reduces deadlocked
-  XLA:CPU's forced devices here (the sink's ``"scan"`` has at most one call in flight).
+  XLA:CPU's forced devices here (a sink there dispatches each window after the last one's
+  compute: ``sinkax.execution.windowed.one_in_flight``).
 
 * the same 4 devices, the state FSDP-style (every leaf whose first axis divides by 4 split with
   ``P("data")``) against replicated: the sink's steps/s with each (no target: what sharding
