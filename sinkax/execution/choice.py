@@ -80,7 +80,8 @@ def resolve(
     loop of launches. Over several devices ``"auto"`` is ``"scan"`` too: across processes each
     would time its own trials and might choose differently, while every process must run the
     same programs; and ``"loop"`` over several XLA:CPU devices waits for each step (with many
-    steps in flight their collectives deadlocked here), which ``"scan"`` never needs.
+    steps in flight their collectives deadlocked here), where ``"scan"`` waits for each window
+    (:func:`~sinkax.execution.windowed.one_in_flight`).
 
     >>> from sinkax.backend import Backend
     >>> cpu = Backend("cpu", True, True, True, True, 1, xla_cpu=True)
