@@ -432,3 +432,63 @@ def test_a_sink_over_several_cpu_devices_reports_its_blocks_as_without_progress(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "told 200 50" in done.stdout  # 100 blocks would be too many: 50 of 4 steps
+
+
+def test_a_typed_key_in_the_outputs_is_reported_as_it_is():
+    told = []
+
+    def step(key, batch):
+        key, sub = jax.random.split(key)
+        return key, {"loss": batch["x"], "key": sub}
+
+    with sinkax.data_sink(
+        step,
+        DATA,
+        25,
+        strategy="scan",
+        progress=lambda steps, out: told.append((steps, type(out["key"]).__name__)),
+        progress_every=10,
+    ) as sink:
+        sink(jax.random.key(0))
+    assert [steps for steps, _ in told] == [10, 10, 5]
+    assert {kind for _, kind in told} == {"PRNGKeyArray"}  # on the device: numpy holds no keys
+
+
+def test_a_hook_slower_than_the_device_holds_a_bounded_queue(monkeypatch):
+    monkeypatch.setattr(progress_module, "QUEUED", 2)
+    release, told, longest = threading.Event(), [], []
+
+    def hook(steps, out):
+        release.wait(30)  # the first report waits while every block is handed over
+        told.append(steps)
+
+    with sinkax.data_sink(
+        running_sum, DATA, 60, strategy="scan", progress=hook, progress_every=1
+    ) as sink:
+        progress = sink._executor.progress
+        total, _ = sink(np.float32(0))
+        jax.block_until_ready(total)
+        longest.append(len(progress._pending))
+        release.set()
+    assert longest[0] <= 3  # the one being told, 2 queued, the newest merged into the last
+    assert sum(told) == 60 and told[:1] == [1] and len(told) < 60
+
+
+def test_block_until_ready_waits_for_the_reports_so_far_not_later_ones():
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    progress = progress_module.Progress(lambda *_: None, 1, cpu)
+    submit = progress.report()[1]
+    told = []
+
+    def chain(steps, out):  # each report hands over the next, as calls made meanwhile would
+        time.sleep(0.005)
+        told.append(steps)
+        if len(told) < 200:
+            submit(1, jnp.float32(len(told)))
+
+    progress.hook = chain
+    submit(1, jnp.float32(0))
+    progress.flush()  # returns once the first is told, not after the 200
+    assert 1 <= len(told) < 200
+    progress.close()
+    assert len(told) == 200

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import numbers
 import threading
 import weakref
@@ -36,8 +35,10 @@ import numpy as np
 from sinkax.errors import warn
 
 Hook = Callable[[int, Any], None]
-Report = tuple[int, Callable[[Any], Any], Any]  # steps, pick the output, the output (device)
+# steps, pick the output, the output (device), the number of the last report it covers
+Report = tuple[int, Callable[[Any], Any], Any, int]
 IDLE_S = 1.0  # a reporting thread with nothing to report for this long ends (a later one starts)
+QUEUED = 64  # reports queued at most before the newest merge (each holds a step's output)
 _open: weakref.WeakSet[Progress] = weakref.WeakSet()  # closed at exit: no thread left in JAX
 
 
@@ -53,12 +54,20 @@ def check(hook: Any, every: Any) -> None:
 
 
 def _on_host(tree: Any) -> Any:
-    """``tree`` with its arrays read to the host (waiting for them), but those spread over
-    other processes' devices too, which stay as they are."""
-    return jax.tree.map(
-        lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x,
-        tree,
-    )
+    """``tree`` with its arrays read to the host (waiting for them), but those numpy cannot
+    hold (typed PRNG keys) or spread over other processes' devices too, which stay as they are."""
+
+    def read(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+            return x
+        return x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else np.asarray(x)
+
+    return jax.tree.map(read, tree)
+
+
+def _whole(out: Any) -> Any:
+    """The output as it is (a call's own report: no flag to leave out)."""
+    return out
 
 
 @atexit.register
@@ -77,6 +86,7 @@ class Progress:
         self._unreported = 0
         self.error: Exception | None = None  # the hook's first, raised by the next call
         self._pending: collections.deque[Report] = collections.deque()  # in step order
+        self._handed = self._told = 0  # reports handed over, and the last one told
         self._changed = threading.Condition()  # guards _pending and _reporter
         self._delivering = threading.Lock()  # one report at a time, in order
         self._reporter: threading.Thread | None = None
@@ -90,9 +100,12 @@ class Progress:
         try:
             self.hook(steps, out)
         except Exception as error:  # kept (the first), and raised by the next call
-            if self.error is None:
-                self.error = error
-                warn(f"The progress hook raised {error!r}; the next call raises it", RuntimeWarning)
+            self._keep(error)
+
+    def _keep(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+            warn(f"The progress hook raised {error!r}; the next call raises it", RuntimeWarning)
 
     def raise_error(self) -> None:
         """Raise what the hook raised, if it did, as the next call starts (before it runs)."""
@@ -124,12 +137,17 @@ class Progress:
         if steps:
             kept = not leaves or len(leaves[0])
             last = jax.tree.map(lambda o: o[-1], outs) if kept else stopped
-            self._submit(steps, lambda out: out, last)
+            self._submit(steps, _whole, last)
 
     def flush(self) -> None:
         """Wait until every report handed over so far is told (telling them here if this thread
-        gets to them first); at once from inside the hook, which would wait for itself."""
-        while self._telling != threading.get_ident() and (item := self._head()) is not None:
+        gets to them first), not those handed over meanwhile; at once from inside the hook,
+        which would wait for itself."""
+        if self._telling == threading.get_ident():
+            return
+        with self._changed:
+            handed = self._handed
+        while self._told < handed and (item := self._head()) is not None:
             self._deliver(item)
 
     def close(self) -> None:
@@ -144,8 +162,13 @@ class Progress:
 
     # -- the reporting thread --------------------------------------------------------------
     def _submit(self, steps: int, output: Callable[[Any], Any], last: Any) -> None:
+        """Queue a report; beyond :data:`QUEUED` queued, it merges into the last one, told as
+        one: a hook slower than the device holds that many outputs, not one per report."""
         with self._changed:
-            self._pending.append((steps, output, last))
+            self._handed += 1
+            if len(self._pending) > QUEUED and self._pending[-1][1] is output:
+                steps += self._pending.pop()[0]
+            self._pending.append((steps, output, last, self._handed))
             if self._reporter is None:
                 self._start_reporter()
             self._changed.notify_all()
@@ -180,21 +203,27 @@ class Progress:
 
     def _deliver(self, item: Report) -> None:
         """Tell ``item`` if it is still the next to tell (the other thread may have)."""
-        steps, output, last = item
-        with contextlib.suppress(Exception):  # (a failed call's output: see below)
-            jax.block_until_ready(last)  # outside the lock: the other thread may tell meanwhile
+        steps, output, last, number = item
+        try:  # outside the lock: the other thread may tell meanwhile
+            jax.block_until_ready(last)
+            computed = True
+        except Exception:  # its compute failed, which its call raised: nothing to tell
+            computed = False
         with self._delivering:
             if self._head() is not item:
                 return
             self._telling = threading.get_ident()
             try:
-                try:
-                    out = output(_on_host(last))
-                except Exception:  # its compute failed, which its call raised: nothing to tell
-                    return
-                self.tell(steps, out)
+                if computed:
+                    try:
+                        out = output(_on_host(last))
+                    except Exception as error:  # kept as the hook's would be
+                        self._keep(error)
+                    else:
+                        self.tell(steps, out)
             finally:  # told once, even if a Ctrl-C stops the hook
                 self._telling = None
                 with self._changed:
                     self._pending.popleft()
+                    self._told = number
                     self._changed.notify_all()
