@@ -12,9 +12,10 @@ its last output; over the devices of several ``jax.distributed`` processes, ever
 block's outputs are not all in one process). So the reports add up to every step the sink ran.
 
 Every report goes through one queue, in step order, told one at a time by the sink's reporting
-thread: a slow hook holds up nothing but the reports after it. :meth:`Progress.flush` --
-``Sink.block_until_ready()``, ``Sink.close()`` -- waits for every report (telling them in the
-waiting thread if it gets to them first). An error the hook raises is kept, and raised by the
+thread: a slow hook holds up nothing but the reports after it (beyond :data:`QUEUED` queued,
+the newest merge). :meth:`Progress.flush` -- ``Sink.block_until_ready()``, ``Sink.close()`` --
+waits for every report handed over so far (telling them in the waiting thread if it gets to
+them first). An error the hook raises is kept, and raised by the
 next call to start after it, or by ``close()``. Off (the default), the sink compiles its plain
 programs.
 """
