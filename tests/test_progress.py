@@ -26,6 +26,18 @@ def running_sum(total, batch):
     return total, {"loss": total}
 
 
+def scan_sink(hook, sink_size, progress_every=10):
+    """A running-sum sink of ``sink_size`` steps a call, ``"scan"``, telling ``hook``."""
+    return sinkax.data_sink(
+        running_sum,
+        DATA,
+        sink_size,
+        strategy="scan",
+        progress=hook,
+        progress_every=progress_every,
+    )
+
+
 def reports_of(sink_size, calls, **options):
     """The ``(steps, loss)`` reports of ``calls`` calls of a running-sum sink."""
     reports = []
@@ -166,9 +178,7 @@ def test_the_reports_are_told_in_step_order_one_at_a_time():
         told.append((steps, float(out["loss"]), type(out["loss"])))
         active.pop()
 
-    with sinkax.data_sink(
-        running_sum, DATA, 25, strategy="scan", progress=hook, progress_every=10
-    ) as sink:
+    with scan_sink(hook, 25) as sink:
         total, _ = sink(np.float32(0))
         sink(total)
     loss = losses(50)
@@ -193,9 +203,7 @@ def test_a_hook_may_wait_for_the_sinks_reports_itself(wait):
         told.append(steps)
         getattr(sinks[0], wait)()  # returns at once: the report it is in would wait for itself
 
-    sink = sinkax.data_sink(
-        running_sum, DATA, 20, strategy="scan", progress=hook, progress_every=10
-    )
+    sink = scan_sink(hook, 20)
     sinks.append(sink)
     sink(np.float32(0))
     sink.close()
@@ -214,9 +222,7 @@ def test_a_reporting_thread_that_ended_is_replaced():
         if len(told) == 4:
             last.set()
 
-    with sinkax.data_sink(
-        running_sum, DATA, 20, strategy="scan", progress=hook, progress_every=10
-    ) as sink:
+    with scan_sink(hook, 20) as sink:
         total, _ = sink(np.float32(0))
         sink(total)
         assert last.wait(30)  # the 4 reports told, by threads of their own (none waited here)
@@ -333,9 +339,7 @@ def test_a_hook_that_waits_does_not_hold_up_the_device():
         told.set()
         release.wait(30)
 
-    with sinkax.data_sink(
-        running_sum, DATA, 30, strategy="scan", progress=hook, progress_every=10
-    ) as sink:
+    with scan_sink(hook, 30) as sink:
         total, outs = jax.block_until_ready(sink(np.float32(0)))  # its 3 blocks all ran
         assert outs["loss"].tolist() == losses(30)  # ready while the hook waits
         _, outs = jax.block_until_ready(sink(total))  # and the next call runs too
@@ -390,9 +394,7 @@ def test_the_reporting_thread_ends_once_idle(monkeypatch):
         if len(told) == 2:
             both.set()
 
-    with sinkax.data_sink(
-        running_sum, DATA, 20, strategy="scan", progress=hook, progress_every=10
-    ) as sink:
+    with scan_sink(hook, 20) as sink:
         sink.block_until_ready()  # nothing ran yet: nothing to wait for
         total, _ = sink(np.float32(0))
         assert both.wait(30)  # both blocks told by the reporting thread (nothing else asked)
@@ -462,9 +464,7 @@ def test_a_hook_slower_than_the_device_holds_a_bounded_queue(monkeypatch):
         release.wait(30)  # the first report waits while every block is handed over
         told.append(steps)
 
-    with sinkax.data_sink(
-        running_sum, DATA, 60, strategy="scan", progress=hook, progress_every=1
-    ) as sink:
+    with scan_sink(hook, 60, progress_every=1) as sink:
         progress = sink._executor.progress
         total, _ = sink(np.float32(0))
         jax.block_until_ready(total)

@@ -198,8 +198,8 @@ class Executor:
             if self._watch is not None:  # its executables are not the plain step's
                 fn = Guarded(fn, self._watch)
                 self.compiler.specialise(("stop_if_nonfinite", self._watch))
-            output = (lambda out: out[0]) if self._watch is not None else (lambda out: out)
-            report = self.progress.report(output) if self.progress else None
+            guarded = {"output": lambda out: out[0]} if self._watch is not None else {}
+            report = self.progress.report(**guarded) if self.progress else None
             alike = not self.ragged_last  # else the step's executable is looked up per batch
             self._strategy = strategies.make(
                 self.chosen, fn, self.compiler, batches_alike=alike, report=report

@@ -95,7 +95,7 @@ class Progress:
         self._closed = False  # nothing is handed over after: the thread ends once idle
         _open.add(self)
 
-    def tell(self, steps: int, out: Any) -> None:
+    def _tell(self, steps: int, out: Any) -> None:
         """Call the hook. An error it raises is kept for :meth:`raise_error`: raised here, in a
         block's report or once the call committed, it would lose the call's results."""
         try:
@@ -117,7 +117,7 @@ class Progress:
                 "That call completed and returned its results; fix the hook to go on."
             ) from error
 
-    def report(self, output: Callable[[Any], Any] = lambda out: out) -> tuple[int, Any] | None:
+    def report(self, output: Callable[[Any], Any] = _whole) -> tuple[int, Any] | None:
         """How a ``"scan"`` window reports: ``(every, submit)``, ``submit(steps, last)``
         handing over a block's steps and last output, or ``None`` where blocks are not
         reported (see :attr:`within_calls`); ``output`` picks the step's output from what the
@@ -221,10 +221,9 @@ class Progress:
                     except Exception as error:  # kept as the hook's would be
                         self._keep(error)
                     else:
-                        self.tell(steps, out)
+                        self._tell(steps, out)
             finally:  # told once, even if a Ctrl-C stops the hook
                 self._telling = None
                 with self._changed:
                     self._pending.popleft()
                     self._told = number
-                    self._changed.notify_all()
