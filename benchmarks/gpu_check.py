@@ -17,6 +17,10 @@ the next. Parts:
   bench-mlp, bench-lenet, bench-transformer
                benchmarks/gpu_sink_sizes.py: steps/s of plain, prefetching, device-only and
                sinkax loops at sink sizes 1, 10, 100, 1000 and one epoch, with the targets
+  bench-mlp-while, bench-mlp-unroll
+               bench-mlp with XLA's GPU while loops in command buffers (CUDA graphs), every
+               mode alike (XLA_FLAGS, see FLAG_VARIANTS): one graph launch per loop, not one
+               per step -- whether the host's launches bound the scans and sink 10's calls
   plugin       sinkax's PJRT plugin built here and loaded over jax's CUDA plugin, counting
                host-device interactions (benchmarks/gpu_plugin.py; needs pjrt_c_api.h)
   live-mlp     what stop_if_nonfinite and progress= cost the MLP at sink size 1000, and a
@@ -68,12 +72,21 @@ LIMITS = {
     "bench-mlp": (80, 150),
     "bench-lenet": (100, 150),
     "bench-transformer": (130, 150),
+    "bench-mlp-while": (80, 150),
+    "bench-mlp-unroll": (80, 150),
     "plugin": (35, 60),
     "live-mlp": (60, 120),
     "auto-mlp": (150, 120),
     "profile-mlp": (90, 90),
 }
 BUDGET_S = 420  # --budget's default, on a GPU and in the dry run
+# bench-mlp again under XLA_FLAGS: a scan's while loop recorded into a command buffer (a CUDA
+# graph with a conditional node), and also unrolled into one (CUDA 12.9 on); XLA's GPU default
+# leaves while loops out, so the host launches each step's kernels (graphs) itself
+FLAG_VARIANTS = {
+    "while": "--xla_gpu_enable_command_buffer=+WHILE",
+    "unroll": "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true",
+}
 
 ENV_SCRIPT = """
 import json, platform, subprocess, jax, jaxlib
@@ -170,7 +183,12 @@ def bench_note(path: str) -> str:
     if results["dry_run"]:
         return "ran (dry run: tiny sizes, no targets)"
     met = [ratio >= threshold for _, ratio, threshold in results["targets"]]
-    return f"targets met: {sum(met)}/{len(met)}"
+    rows = {row["mode"]: row for row in results["rows"]}
+    sink10, bound = rows.get("sinkax 10", {}), rows.get("device scan", {})
+    return (
+        f"targets met: {sum(met)}/{len(met)}; sinkax 10 {sink10.get('x hand best', 0):.2f}x "
+        f"hand best; device scan {bound.get('steps/s', 0):.0f} steps/s"
+    )
 
 
 def report(parts: dict[str, str], out_json: str, out_png: str, dry_run: bool) -> None:
@@ -271,12 +289,17 @@ class Check:
     def benchmarks(self) -> None:
         """Each workload in a process of its own; then their JSON merged, and a plot."""
         parts = {}
+        runs = [(name, name, {}) for name in WORKLOADS]
+        given = self.env.get("XLA_FLAGS", "")
+        for variant, flags in FLAG_VARIANTS.items():
+            runs.append((f"mlp-{variant}", "mlp", {"XLA_FLAGS": f"{given} {flags}".strip()}))
         with tempfile.TemporaryDirectory() as folder:
-            for name in WORKLOADS:
+            for name, workload, env in runs:
                 parts[name] = os.path.join(folder, f"{name}.json")
-                argv = [sys.executable, os.path.join(BENCH, "gpu_sink_sizes.py"), name]
+                argv = [sys.executable, os.path.join(BENCH, "gpu_sink_sizes.py"), workload]
                 argv += ["--out", parts[name]] + ["--dry-run"] * self.dry_run
-                self.run(f"bench-{name}", argv, "bench.log", lambda _, n=name: bench_note(parts[n]))
+                note = lambda _, n=name: bench_note(parts[n])  # noqa: E731
+                self.run(f"bench-{name}", argv, "bench.log", note, **env)
             stem = os.path.join(self.out, "gpu_sink_sizes")
             try:
                 report(parts, f"{stem}.json", f"{stem}.png", self.dry_run)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -148,7 +149,8 @@ def main(argv=None):
     w = workload(args.workload, epoch, lm_shape=shape)
     rows = bench(w, steps, repeats, sizes, varied)
     checks = targets(args.workload, rows)
-    print(f"{args.workload} ({machine()['device']}, jax {jax.__version__})")
+    flags = os.environ.get("XLA_FLAGS") or None
+    print(f"{args.workload} ({machine()['device']}, jax {jax.__version__}, XLA_FLAGS {flags})")
     print(table(rows, [*COLUMNS, *FIRST]))
     for description, ratio, threshold in checks:
         verdict = "PASS" if ratio >= threshold else "MISS"
@@ -162,6 +164,7 @@ def main(argv=None):
         "repeats": repeats,
         "transformer_shape": dataclasses.asdict(shape) if args.workload == "transformer" else None,
         "peak_bytes_in_use": peak_bytes(),
+        "xla_flags": flags,
         "rows": rows,
         "targets": [list(check) for check in checks],
     }

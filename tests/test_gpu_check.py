@@ -27,13 +27,15 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert summary.splitlines()[0] in result.stdout.splitlines()  # the summary is printed last
     assert "DRY RUN" in summary.splitlines()[0]
     parts = {line.split()[0]: line.split()[1] for line in summary.splitlines()[1:]}
-    benchmarks = {f"bench-{w}" for w in ("mlp", "lenet", "transformer")}
+    workloads = {"mlp", "lenet", "transformer", "mlp-while", "mlp-unroll"}  # (XLA_FLAGS variants)
+    benchmarks = {f"bench-{w}" for w in workloads}
     expected = {"imports", "env", "tests", "plugin", "live-mlp", "auto-mlp", "profile-mlp"}
     expected |= benchmarks
     assert set(parts) - {"wheels"} == expected
     assert set(parts.values()) == {"PASS"}, summary
     results = json.loads((tmp_path / "gpu_sink_sizes.json").read_text())
-    assert results["dry_run"] and set(results["workloads"]) == {"mlp", "lenet", "transformer"}
+    assert results["dry_run"] and set(results["workloads"]) == workloads
+    assert "+WHILE" in results["workloads"]["mlp-while"]["xla_flags"]
     modes = [row["mode"] for row in results["workloads"]["transformer"]["rows"]]
     assert modes[:3] == ["plain", "jit, put 2 ahead", "scan 100, put next first"]
     assert "sinkax 1" in modes and "device scan" in modes
