@@ -11,8 +11,10 @@ from sinkax import pjrt
 class SinkStats:
     """What a sink has done so far.
 
-    ``data_wait_s`` is time the caller waited for data (input-bound); ``slot_wait_s`` is time the
-    producer waited for a free device slot (compute-bound). With the ``"step"`` strategy the
+    ``data_wait_s`` is time the caller waited for data (input-bound): not the part of a wait
+    for a chunk during which the producer waited for the device to be done with a slot (calls
+    dispatched ahead of the device, whose chunks in flight are bounded); ``slot_wait_s`` is time
+    the producer waited for a free device slot (compute-bound). With the ``"step"`` strategy the
     chunks and bytes counted were handed over unstacked; XLA takes each batch at dispatch.
     ``chunks_padded``: chunks that moved only their batches, fewer than a slot holds (the first,
     one a waiting call cut short, the last), padded on the device by one small launch each.

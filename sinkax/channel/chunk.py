@@ -50,7 +50,8 @@ class Closed:
 
 @dataclasses.dataclass
 class ChannelStats:
-    """What the producer did; written by the producer thread only."""
+    """What the producer did, written by its thread only, and ``data_wait_s``, the consumer's
+    wait for the data (see :meth:`~sinkax.channel.ring.DeviceRing.get`), by the consumer's."""
 
     batches: int = 0
     chunks: int = 0
@@ -59,6 +60,7 @@ class ChannelStats:
     busy_s: float = 0.0
     slot_wait_s: float = 0.0
     max_chunks_on_device: int = 0
+    data_wait_s: float = 0.0
 
     def counts(self) -> dict[str, Any]:
         """The producer's side of ``Sink.stats``, by :class:`~sinkax.stats.SinkStats`' names."""

@@ -250,13 +250,13 @@ class Cursor:
         return self._chunk
 
     def _next_chunk(self) -> Chunk:
-        t0 = time.perf_counter()
+        waited = self._ring.stats.data_wait_s
         try:
             return self._ring.get(self.timeout)
         except SinkTimeoutError:
             raise SinkTimeoutError(messages.timed_out(self._ring.stats, self)) from None
         finally:
-            self.data_wait_s += time.perf_counter() - t0
+            self.data_wait_s += self._ring.stats.data_wait_s - waited
 
     def _release_in_flight(self, wait: bool = False) -> None:
         """Free the last dispatched window's chunk's slot: the producer refills it once the

@@ -41,6 +41,7 @@ from sinkax.channel.chunk import ChannelStats, Chunk, Closed, Failure, Piece
 from sinkax.channel.packers import Build, Packer
 from sinkax.channel.plan import Layout, Plan, steps_of
 from sinkax.channel.source import Source
+from sinkax.channel.stopwatch import Stopwatch
 from sinkax.errors import SinkClosedError, SinkExhaustedError, SinkTimeoutError
 from sinkax.spec import BatchSpec, check, widened
 
@@ -85,9 +86,9 @@ class DeviceRing:
         self._spec_known = False  # `spec`, or a failure, is ready
         self._spec_pending, self._running = threading.Lock(), threading.Lock()  # held until
         self._spec_pending.acquire(), self._running.acquire()  # the spec is known, it ended
-        self._ended = False  # the producer has closed the source and ends
-        self._consumer_waiting = False
+        self._ended = self._consumer_waiting = False  # the producer closed the source and ends
         self.last_progress = time.monotonic()  # when the producer last read a batch
+        self._on_device = Stopwatch()  # the producer waiting for the device to free a slot
         self.spec: BatchSpec | None = None
         self.failed = False
         self.stats = ChannelStats()
@@ -160,9 +161,9 @@ class DeviceRing:
             except queue.Empty:
                 if self._stopped:
                     return None
-        if computing is not None:
-            with contextlib.suppress(RuntimeError):  # deleted: the sink was closed
-                jax.block_until_ready(computing)
+        if computing is not None:  # the device's time, not the data's (see get)
+            with self._on_device.timing(), contextlib.suppress(RuntimeError):  # deleted: the
+                jax.block_until_ready(computing)  # sink was closed
         self.stats.slot_wait_s += time.perf_counter() - t0
         self._taken += 1
         in_use = self._taken - self._released  # released before it was put back: exact
@@ -274,12 +275,16 @@ class DeviceRing:
         return self.spec
 
     def get(self, timeout: float) -> Chunk:
-        """The next chunk; re-raises a producer error; ``SinkTimeoutError`` once the producer
-        has read no batch for ``timeout`` seconds; ``SinkClosedError`` once closed."""
+        """The next chunk, its wait in ``stats.data_wait_s`` less the producer's meanwhile for the
+        device to free a slot (the device's); re-raises a producer error; ``SinkTimeoutError``
+        after ``timeout`` s with no batch read; ``SinkClosedError`` once closed."""
+        t0, device = time.perf_counter(), self._on_device.seconds()
         try:
             item = self._wait(timeout)
         finally:
             self._consumer_waiting = False
+            waited = time.perf_counter() - t0 - (self._on_device.seconds() - device)
+            self.stats.data_wait_s += max(0.0, waited)
         if isinstance(item, Closed):
             self._ready.put(item)
             raise SinkClosedError("The sink was closed while a call waited for its data.")

@@ -1,0 +1,54 @@
+"""``Sink.stats``' waits: a call waiting for the device is not waiting for its data."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sinkax
+
+
+def heavy_step(state, batch):
+    """Tens of milliseconds of matrix products per step on a small CPU; a tiny batch."""
+    w = jax.lax.fori_loop(0, 60, lambda _, w: jnp.tanh(w @ state), state)
+    return state + 1e-6 * w.mean() + batch["x"], ()
+
+
+def waits(step, dataset, calls):
+    """The stats after ``calls`` calls of sink size 2, a chunk each (of scalar batches), none
+    waited for but the last, and their seconds."""
+    options = {"strategy": "scan", "prefetch": 1, "max_chunk_bytes": 8}
+    with sinkax.data_sink(step, dataset, 2, **options) as sink:
+        state = jnp.eye(256, dtype=jnp.float32)
+        state, _ = sink(state)  # compiles
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            state, _ = sink(state)
+        jax.block_until_ready(state)
+        return sink.stats, time.perf_counter() - t0
+
+
+def test_calls_ahead_of_the_device_wait_for_it_not_for_their_data():
+    # the producer has every batch at once, but a slot is refilled only once the device is
+    # done with it: the calls, dispatched ahead, wait for the device to free one
+    stats, seconds = waits(heavy_step, [{"x": np.float32(0)}] * 8, calls=12)
+    assert stats.slot_wait_s > 0.5 * seconds  # the producer waited for the device ...
+    assert stats.data_wait_s < 0.2 * seconds, (stats.data_wait_s, seconds)  # ... not the calls
+    assert stats.bound == "compute"
+
+
+class Slow:
+    """Batches that take 20 ms each to read."""
+
+    def __iter__(self):
+        for _ in range(64):
+            time.sleep(0.02)
+            yield {"x": np.float32(0)}
+
+
+def test_calls_ahead_of_a_slow_dataset_wait_for_their_data():
+    stats, seconds = waits(lambda state, batch: (state + batch["x"], ()), Slow(), calls=8)
+    assert stats.data_wait_s > 0.5 * seconds, (stats.data_wait_s, seconds)
+    assert stats.bound == "input"
