@@ -117,6 +117,27 @@ def test_a_caller_that_waits_for_each_call_lets_the_sizes_grow_faster(monkeypatc
             assert sizes[1] in (8, 64)
 
 
+def test_one_step_windows_measure_no_strategy_and_the_first_larger_ones_do(monkeypatch):
+    monkeypatch.setattr(sinkax.execution.auto, "TRIAL_S", 0.0)  # a trial is one window
+    on_clock(monkeypatch, itertools.count(step=1e-3).__next__)  # the sizes grow 8 x a call
+
+    def step(state, batch):  # compiles and a choice of its own: not the other tests'
+        return collect_index(state, batch)
+
+    with sinkax.data_sink(step, indexed_map_dataset(2_000, 2, seed=None), "auto") as sink:
+        stats = []
+        for _ in range(5):
+            sink(jnp.int32(0))
+            stats.append(sink.stats)
+    # calls of 1, 8 and 64 steps in windows of one (the granules lag), then larger windows
+    one_step = [s for s in stats if s.dispatches == s.steps]
+    assert [s.call_sizes[-1] for s in one_step] == [1, 8, 64]
+    for calls, s in enumerate(one_step, 1):  # the scan's window of one step (the step alone)
+        assert s.strategy.startswith("auto") and not s.strategy_timings  # nothing measured,
+        assert s.compiles == calls  # no loop compiled: that window, then a join per call
+    assert set(stats[-1].strategy_timings) == {"scan", "loop"}  # measured on larger windows
+
+
 def test_a_drifting_target_keeps_its_granule_and_a_far_one_changes_it():
     sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=None, target=4096)
     assert sizer.granule() == 512

@@ -31,7 +31,10 @@ class Auto:
 
     A trial is one or more consecutive windows of one candidate, timed from the end of the last
     window's compute to the end of its own, less what compiling them took, until it spans
-    :data:`TRIAL_S` seconds.
+    :data:`TRIAL_S` seconds. Trials start at the first window of more than one step: over one
+    step (an auto sink's first calls) the candidates differ only in the launches around the
+    step, so ``candidates[0]`` runs it (``"scan"``: the step alone) and nothing is measured or
+    compiled for the others.
     ``candidates[0]`` is kept unless another is faster than its best trial by
     :data:`PREFER_MARGIN` and by more than its trials differ (:meth:`_fastest`). The decision is
     kept beside the executables (per step function, state and batch layout, device) and reused by
@@ -92,9 +95,9 @@ class Auto:
             self._key = (layout(state), layout(batch), placement.platform(placement.of(chunk)))
         if self.chosen is None and self._use_decided and self._key in self._decisions:
             self.pin(self._decisions[self._key])
-        if self.chosen is not None:
-            self._ran = self.chosen
-            return self.chosen.run(state, chunk, offset, steps)
+        if self.chosen is not None or steps == 1:  # (one step: see the class docstring)
+            self._ran = self.chosen or self._first
+            return self._ran.run(state, chunk, offset, steps)
         return self._trial(state, chunk, offset, steps)
 
     def _trial(self, state: Any, chunk: Any, offset: int, steps: int) -> tuple[Any, Any]:

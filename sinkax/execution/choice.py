@@ -29,7 +29,8 @@
   function, state and batch layout and platform, and reused by every later sink of that step
   (``Sink.reselect()`` measures again); the environment variable :data:`ENV` or a data
   position that recorded a choice pins it (see :func:`pinned`). A sink of one-step calls is
-  not measured (see :func:`resolve`). ``Sink.stats`` records the choice and the timings.
+  not measured (see :func:`resolve`), nor a one-step window (``sink_size="auto"``'s first
+  calls), which ``"scan"`` runs. ``Sink.stats`` records the choice and the timings.
 
 Every strategy computes the same steps in the same order; only speed differs. Each runs a
 window of ``steps`` batches of a chunk, starting at ``offset``, and declares the feed it needs
