@@ -298,7 +298,8 @@ def data_sink(
       prefetch: chunks prepared ahead on the device (1 to 64); at most ``prefetch + 1`` held.
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds without a single new batch from the dataset before a waiting call
-        raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out).
+        raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out;
+        the device's time computing earlier chunks, which holds up the next, does not count).
       device: where data and compute go: a ``jax.Device`` or a target name (``"CPU"``, ``"GPU"``,
         ``"Ascend"``, ``"Emulated"``, or a platform such as ``"cpu"``); default from the context.
       sharding: instead of ``device``, a ``jax.sharding.Sharding`` of one batch, e.g.

@@ -52,3 +52,32 @@ def test_calls_ahead_of_a_slow_dataset_wait_for_their_data():
     stats, seconds = waits(lambda state, batch: (state + batch["x"], ()), Slow(), calls=8)
     assert stats.data_wait_s > 0.5 * seconds, (stats.data_wait_s, seconds)
     assert stats.bound == "input"
+
+
+def products(n):
+    """``n`` matrix products, one after another."""
+    w = jnp.eye(256, dtype=jnp.float32) * 0.5
+    return jax.lax.fori_loop(0, n, lambda _, x: jnp.tanh(x @ w), w)
+
+
+def step_of(seconds):
+    """A step that computes for about ``seconds`` on this machine (matrix products, timed here:
+    a host callback would make XLA:CPU run the call before it returns)."""
+    timed = jax.jit(products)
+    jax.block_until_ready(timed(100))
+    t0 = time.perf_counter()
+    jax.block_until_ready(timed(100))
+    n = max(1, round(seconds / ((time.perf_counter() - t0) / 100)))
+    return lambda state, batch: (state + 0 * products(n).mean() + batch["x"], ())
+
+
+def test_a_device_computing_longer_than_the_timeout_times_no_call_out():
+    # each call computes about 0.6 s, the data's timeout is 0.1 s: a call waits for its chunk
+    # while the producer, reading no batch, waits for the device to free a slot
+    data = [{"x": np.float32(1)}] * 8
+    options = {"strategy": "scan", "prefetch": 1, "max_chunk_bytes": 8, "timeout": 0.1}
+    with sinkax.data_sink(step_of(0.3), data, 2, **options) as sink:
+        state = jnp.float32(0)
+        for _ in range(4):
+            state, _ = sink(state)
+        assert float(state) == 8.0 and sink.stats.bound == "compute"

@@ -17,9 +17,9 @@ the source position and state after its last batch.
 A consumer that finds no chunk ready within :data:`CUT_AFTER_S` takes the complete pieces of the
 chunk being filled (a *cut*; the producer carries the batches it read past them over to its next
 chunk), so a slow batch never holds back a call whose batches were all read; its wait lasts
-until the producer has read no batch for ``timeout`` seconds. The consumer side uses C queues
-and plain locks only, never an ``Event`` or ``Condition``, whose Python code a Ctrl-C in the
-consumer can interrupt half done.
+until the producer has read no batch for ``timeout`` seconds, its waits for the device to free
+a slot not counted. The consumer side uses C queues and plain locks only, never an ``Event``
+or ``Condition``, whose Python code a Ctrl-C in the consumer can interrupt half done.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class DeviceRing:
         self._spec_pending, self._running = threading.Lock(), threading.Lock()  # held until
         self._spec_pending.acquire(), self._running.acquire()  # the spec is known, it ended
         self._ended = self._consumer_waiting = False  # the producer closed the source and ends
-        self.last_progress = time.monotonic()  # when the producer last read a batch
+        self.last_progress = time.monotonic()  # the producer's last batch read, or slot freed
         self._on_device = Stopwatch()  # the producer waiting for the device to free a slot
         self.spec: BatchSpec | None = None
         self.failed = False
@@ -161,9 +161,10 @@ class DeviceRing:
             except queue.Empty:
                 if self._stopped:
                     return None
-        if computing is not None:  # the device's time, not the data's (see get)
+        if computing is not None:  # the device's time, not the data's (see get, _wait)
             with self._on_device.timing(), contextlib.suppress(RuntimeError):  # deleted: the
                 jax.block_until_ready(computing)  # sink was closed
+            self.last_progress = time.monotonic()  # the data's timeout starts again here
         self.stats.slot_wait_s += time.perf_counter() - t0
         self._taken += 1
         in_use = self._taken - self._released  # released before it was put back: exact
@@ -305,14 +306,12 @@ class DeviceRing:
         cut = self._cut()
         if cut is not None:
             return cut
-        while True:  # the wait starts again whenever a batch arrives
+        while True:  # the wait starts again whenever a batch arrives, or the device frees a slot
             left = max(self.last_progress, start) + timeout - time.monotonic()
-            if left <= 0:
+            if left <= 0 and not self._on_device.running:  # (while it computes: no timeout)
                 raise SinkTimeoutError(f"No data arrived within {timeout:.1f} s.")
-            try:
-                return self._ready.get(timeout=left)
-            except queue.Empty:
-                pass
+            with contextlib.suppress(queue.Empty):
+                return self._ready.get(timeout=left if left > 0 else min(timeout, 1.0))
 
     def release(self, computing: Any = None) -> None:
         """The oldest handed-out chunk's slot is free again once ``computing`` (arrays the last

@@ -30,6 +30,11 @@ class Stopwatch:
         finally:
             self._state = (self.seconds(), None)
 
+    @property
+    def running(self) -> bool:
+        """Whether a timed block is under way."""
+        return self._state[1] is not None
+
     def seconds(self) -> float:
         done, since = self._state
         return done if since is None else done + time.perf_counter() - since
