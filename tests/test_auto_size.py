@@ -133,8 +133,8 @@ def test_one_step_windows_measure_no_strategy_and_the_first_larger_ones_do(monke
     one_step = [s for s in stats if s.dispatches == s.steps]
     assert [s.call_sizes[-1] for s in one_step] == [1, 8, 64]
     for calls, s in enumerate(one_step, 1):  # the scan's window of one step (the step alone)
-        assert s.strategy.startswith("auto") and not s.strategy_timings  # nothing measured,
-        assert s.compiles == calls  # no loop compiled: that window, then a join per call
+        assert s.strategy == "auto (scan: one-step windows)" and not s.strategy_timings  # none
+        assert s.compiles == calls  # measured, no loop compiled: that window, a join per call
     assert set(stats[-1].strategy_timings) == {"scan", "loop"}  # measured on larger windows
 
 

@@ -67,6 +67,7 @@ class Auto:
         self._first_trials: list[float] = []  # per step, of each trial of candidates[0]
         self._pending = [*self._candidates, self._first]  # A B A: see the module docstring
         self._trial_s, self._trial_steps = 0.0, 0  # of the trial under way
+        self._one_step = False  # undecided, the last window was one step: not measured
 
     def pin(self, name: str) -> None:
         """Run the candidate called ``name`` from now on, measuring nothing."""
@@ -74,7 +75,9 @@ class Auto:
 
     @property
     def name(self) -> str:
-        return self.chosen.name if self.chosen else "auto (measuring)"
+        if self.chosen:
+            return self.chosen.name
+        return "auto (scan: one-step windows)" if self._one_step else "auto (measuring)"
 
     atomic = True  # every candidate compiles before a window's first dispatch
     feed = "stacked"  # as every candidate's
@@ -95,7 +98,8 @@ class Auto:
             self._key = (layout(state), layout(batch), placement.platform(placement.of(chunk)))
         if self.chosen is None and self._use_decided and self._key in self._decisions:
             self.pin(self._decisions[self._key])
-        if self.chosen is not None or steps == 1:  # (one step: see the class docstring)
+        self._one_step = self.chosen is None and steps == 1  # (see the class docstring)
+        if self.chosen is not None or self._one_step:
             self._ran = self.chosen or self._first
             return self._ran.run(state, chunk, offset, steps)
         return self._trial(state, chunk, offset, steps)
