@@ -9,10 +9,21 @@ import numpy as np
 import sinkax
 
 
-def heavy_step(state, batch):
-    """Tens of milliseconds of matrix products per step on a small CPU; a tiny batch."""
-    w = jax.lax.fori_loop(0, 60, lambda _, w: jnp.tanh(w @ state), state)
-    return state + 1e-6 * w.mean() + batch["x"], ()
+def products(n):
+    """``n`` matrix products, one after another."""
+    w = jnp.eye(256, dtype=jnp.float32) * 0.5
+    return jax.lax.fori_loop(0, n, lambda _, x: jnp.tanh(x @ w), w)
+
+
+def step_of(seconds):
+    """A step that computes for about ``seconds`` on this machine (matrix products, timed here:
+    a host callback would make XLA:CPU run the call before it returns)."""
+    timed = jax.jit(products)
+    jax.block_until_ready(timed(100))
+    t0 = time.perf_counter()
+    jax.block_until_ready(timed(100))
+    n = max(1, round(seconds / ((time.perf_counter() - t0) / 100)))
+    return lambda state, batch: (state + 0 * products(n).mean() + batch["x"], ())
 
 
 def waits(step, dataset, calls):
@@ -20,8 +31,7 @@ def waits(step, dataset, calls):
     waited for but the last, and their seconds."""
     options = {"strategy": "scan", "prefetch": 1, "max_chunk_bytes": 8}
     with sinkax.data_sink(step, dataset, 2, **options) as sink:
-        state = jnp.eye(256, dtype=jnp.float32)
-        state, _ = sink(state)  # compiles
+        state, _ = sink(jnp.float32(0))  # compiles
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -33,7 +43,7 @@ def waits(step, dataset, calls):
 def test_calls_ahead_of_the_device_wait_for_it_not_for_their_data():
     # the producer has every batch at once, but a slot is refilled only once the device is
     # done with it: the calls, dispatched ahead, wait for the device to free one
-    stats, seconds = waits(heavy_step, [{"x": np.float32(0)}] * 8, calls=12)
+    stats, seconds = waits(step_of(0.03), [{"x": np.float32(0)}] * 8, calls=12)
     assert stats.slot_wait_s > 0.5 * seconds  # the producer waited for the device ...
     assert stats.data_wait_s < 0.2 * seconds, (stats.data_wait_s, seconds)  # ... not the calls
     assert stats.bound == "compute"
@@ -52,23 +62,6 @@ def test_calls_ahead_of_a_slow_dataset_wait_for_their_data():
     stats, seconds = waits(lambda state, batch: (state + batch["x"], ()), Slow(), calls=8)
     assert stats.data_wait_s > 0.5 * seconds, (stats.data_wait_s, seconds)
     assert stats.bound == "input"
-
-
-def products(n):
-    """``n`` matrix products, one after another."""
-    w = jnp.eye(256, dtype=jnp.float32) * 0.5
-    return jax.lax.fori_loop(0, n, lambda _, x: jnp.tanh(x @ w), w)
-
-
-def step_of(seconds):
-    """A step that computes for about ``seconds`` on this machine (matrix products, timed here:
-    a host callback would make XLA:CPU run the call before it returns)."""
-    timed = jax.jit(products)
-    jax.block_until_ready(timed(100))
-    t0 = time.perf_counter()
-    jax.block_until_ready(timed(100))
-    n = max(1, round(seconds / ((time.perf_counter() - t0) / 100)))
-    return lambda state, batch: (state + 0 * products(n).mean() + batch["x"], ())
 
 
 def test_a_device_computing_longer_than_the_timeout_times_no_call_out():
