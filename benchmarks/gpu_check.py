@@ -17,10 +17,11 @@ the next. Parts:
   bench-mlp, bench-lenet, bench-transformer
                benchmarks/gpu_sink_sizes.py: steps/s of plain, prefetching, device-only and
                sinkax loops at sink sizes 1, 10, 100, 1000 and one epoch, with the targets
-  bench-mlp-while, bench-mlp-unroll
-               bench-mlp with XLA's GPU while loops in command buffers (CUDA graphs), every
-               mode alike (XLA_FLAGS, see FLAG_VARIANTS): one graph launch per loop, not one
-               per step -- whether the host's launches bound the scans and sink 10's calls
+  bench-mlp-while, bench-mlp-xla-defaults
+               bench-mlp under XLA_FLAGS (see FLAG_VARIANTS): every mode's while loops in
+               command buffers (CUDA graphs), as sinkax compiles its own on CUDA, so the
+               hand-written loops too; and XLA's default command buffers, sinkax's included
+               (its windows then launch every trip's kernels from the host, as before)
   plugin       sinkax's PJRT plugin built here and loaded over jax's CUDA plugin, counting
                host-device interactions (benchmarks/gpu_plugin.py; needs pjrt_c_api.h)
   live-mlp     what stop_if_nonfinite and progress= cost the MLP at sink size 1000, and a
@@ -62,7 +63,7 @@ SITE = os.path.join(tempfile.gettempdir(), "sinkax-gpu-site")
 WORKLOADS = ("mlp", "lenet", "transformer")
 # seconds per part on a GPU, then in the dry run, each cut to what is left of --budget (on the
 # H100 the parts but bench-transformer took ~320 s in all at 58b902a, none near its limit; the
-# transformer ~100 s, bench-mlp-while and -unroll ~30 s each, likely). The dry run's limits only
+# transformer ~100 s, bench-mlp-while and -xla-defaults ~30 s each). The dry run's limits only
 # catch a hung part: about a minute in all on 2 quiet cores, it may take several
 # times that beside other work (tests/test_gpu_check.py runs it in the test suite)
 LIMITS = {
@@ -74,19 +75,21 @@ LIMITS = {
     "bench-lenet": (100, 150),
     "bench-transformer": (130, 150),
     "bench-mlp-while": (80, 150),
-    "bench-mlp-unroll": (80, 150),
+    "bench-mlp-xla-defaults": (80, 150),
     "plugin": (35, 60),
     "live-mlp": (60, 120),
     "auto-mlp": (150, 120),
     "profile-mlp": (90, 90),
 }
 BUDGET_S = 480  # --budget's default, on a GPU and in the dry run (parts past it: SKIP)
-# bench-mlp again under XLA_FLAGS: a scan's while loop recorded into a command buffer (a CUDA
-# graph with a conditional node), and also unrolled into one (CUDA 12.9 on); XLA's GPU default
-# leaves while loops out, so the host launches each step's kernels (graphs) itself
+# bench-mlp again under XLA_FLAGS. "while": every mode's loops recorded into command buffers
+# (CUDA graphs with a conditional node), as sinkax compiles its own on CUDA: the hand-written
+# loops compiled alike. "xla-defaults": XLA's default command buffers, which leave while loops
+# out, so the host launches each trip's kernels (graphs) itself; sinkax then compiles as XLA
+# does, as the flag names the option (see sinkax.backend.compiler_options)
 FLAG_VARIANTS = {
     "while": "--xla_gpu_enable_command_buffer=+WHILE",
-    "unroll": "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true",
+    "xla-defaults": "--xla_gpu_enable_command_buffer=+FUSION",
 }
 
 ENV_SCRIPT = """

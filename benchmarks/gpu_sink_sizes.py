@@ -34,6 +34,7 @@ import sink_sizes
 from _common import fresh, machine, table, workload
 
 import sinkax
+from sinkax.backend import backend_of
 from sinkax.channel import packers
 
 WORKLOADS = ("mlp", "lenet", "transformer")
@@ -150,7 +151,9 @@ def main(argv=None):
     rows = bench(w, steps, repeats, sizes, varied)
     checks = targets(args.workload, rows)
     flags = os.environ.get("XLA_FLAGS") or None
+    options = dict(backend_of(jax.devices()[0]).compiler_options)  # the sinks' own compiles
     print(f"{args.workload} ({machine()['device']}, jax {jax.__version__}, XLA_FLAGS {flags})")
+    print(f"sinkax compiles its programs with {options or 'XLA defaults'}")
     print(table(rows, [*COLUMNS, *FIRST]))
     for description, ratio, threshold in checks:
         verdict = "PASS" if ratio >= threshold else "MISS"
@@ -165,6 +168,7 @@ def main(argv=None):
         "transformer_shape": dataclasses.asdict(shape) if args.workload == "transformer" else None,
         "peak_bytes_in_use": peak_bytes(),
         "xla_flags": flags,
+        "sinkax_compiler_options": options,
         "rows": rows,
         "targets": [list(check) for check in checks],
     }

@@ -44,7 +44,8 @@ class Backend:
     ``num_devices``: its devices in this process; ``xla_cpu``: XLA:CPU compiles its programs,
     whose convolution canonicalization reaches only a program's entry computation, not a loop
     body (see :mod:`sinkax.execution.rewrite`), and whose devices' collectives deadlock with
-    many steps in flight.
+    many steps in flight; ``compiler_options``: the XLA options sinkax compiles its programs
+    with there (see :func:`compiler_options`).
     """
 
     platform: str
@@ -54,19 +55,52 @@ class Backend:
     ffi: bool
     num_devices: int
     xla_cpu: bool
+    compiler_options: tuple[tuple[str, str], ...] = ()
+
+
+# XLA's default command-buffer kinds on CUDA (DebugOptions' xla_gpu_enable_command_buffer), and
+# WHILE, which the default leaves out
+CUDA_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"
+
+
+def compiler_options(platform_version: str, xla_flags: str) -> tuple[tuple[str, str], ...]:
+    """The XLA options for sinkax's programs on a platform of ``platform_version`` (a PJRT
+    client's), given the ``XLA_FLAGS`` environment variable.
+
+    On a CUDA GPU, loops go into command buffers (CUDA graphs) too: a window's loop of steps
+    is then one graph, launched once per call, where XLA's default has the host launch every
+    trip's kernels itself -- the calls of short windows wait on those launches. Unless
+    ``XLA_FLAGS`` sets ``xla_gpu_enable_command_buffer``: the user's choice stands. Elsewhere
+    none (XLA's defaults).
+
+    >>> dict(compiler_options("cuda 12080", ""))["xla_gpu_enable_command_buffer"] == (
+    ...     CUDA_COMMAND_BUFFERS)
+    True
+    >>> compiler_options("cuda 12080", "--xla_gpu_enable_command_buffer=FUSION")
+    ()
+    >>> compiler_options("rocm 60302", ""), compiler_options("cpu", "")
+    ((), ())
+    """
+    if "cuda" not in platform_version.lower() or "xla_gpu_enable_command_buffer" in xla_flags:
+        return ()
+    return (("xla_gpu_enable_command_buffer", CUDA_COMMAND_BUFFERS),)
 
 
 @functools.cache
 def _backend(platform: str) -> Backend:
     cpu, jax_own = platform == "cpu", platform in ("cpu", "cuda", "rocm", "gpu")
+    devices = jax.devices(platform)
     return Backend(
         platform=platform,
         host_is_device=cpu,
         aliases_host_buffers=cpu,
         python_callbacks=jax_own,  # jax refuses them on a plugin's own platform name
         ffi=jax_own,  # a plugin's handlers go through its FFI extension, not jax.ffi
-        num_devices=len(jax.devices(platform)),
+        num_devices=len(devices),
         xla_cpu=cpu or pjrt.compiles_with_xla_cpu(platform),  # the emulated device too
+        compiler_options=compiler_options(
+            devices[0].client.platform_version, os.environ.get("XLA_FLAGS", "")
+        ),
     )
 
 

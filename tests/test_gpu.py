@@ -60,3 +60,26 @@ def test_a_gpu_sink_staged_in_pinned_memory_trains_as_a_numpy_staged_one(batches
             results.append((sink.config.staging, jax.tree.map(np.asarray, (state, loss))))
     assert results[0][0].memory_kind == "pinned_host" and results[1][0] is None
     jax.tree.map(np.testing.assert_array_equal, results[0][1], results[1][1])
+
+
+def computation_with(instruction: str, hlo: str) -> str:
+    """The name of the computation of an HLO module's text whose body has ``instruction``."""
+    name = None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+        elif name and instruction in line:
+            return name
+    raise AssertionError(f"no computation has {instruction!r}")
+
+
+def test_a_windows_loop_is_one_command_buffer_on_a_cuda_gpu(batches, tmp_path):
+    gpu = gpus()[0]
+    if not sinkax.backend.backend_of(gpu).compiler_options:
+        pytest.skip("not CUDA, or XLA_FLAGS sets xla_gpu_enable_command_buffer: XLA decides")
+    with sinkax.data_sink(
+        train_step, batches, 4, device=gpu, strategy="scan", save_graphs=tmp_path
+    ) as sink:
+        sink(init_state())
+    hlo = (tmp_path / "train_step_scan_sink4.hlo.txt").read_text()
+    assert computation_with(" while(", hlo).startswith("command_buffer")

@@ -27,7 +27,7 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert summary.splitlines()[0] in result.stdout.splitlines()  # the summary is printed last
     assert "DRY RUN" in summary.splitlines()[0]
     parts = {line.split()[0]: line.split()[1] for line in summary.splitlines()[1:]}
-    workloads = {"mlp", "lenet", "transformer", "mlp-while", "mlp-unroll"}  # (XLA_FLAGS variants)
+    workloads = {"mlp", "lenet", "transformer", "mlp-while", "mlp-xla-defaults"}  # XLA_FLAGS: -*
     benchmarks = {f"bench-{w}" for w in workloads}
     expected = {"imports", "env", "tests", "plugin", "live-mlp", "auto-mlp", "profile-mlp"}
     expected |= benchmarks

@@ -1239,6 +1239,19 @@ def test_save_graphs_names_executables_of_one_kind_and_size_apart(tmp_path):
     assert "f32[4,3]" in (tmp_path / files[1]).read_text()
 
 
+def test_the_compiler_builds_with_the_options_it_is_given():
+    program, x = lambda: lambda s: s + 1, jnp.zeros(3)
+    refusing = Compiler(train_step, options=[("xla_gpu_enable_command_buffer", "BOGUS")])
+    with pytest.raises(Exception, match="BOGUS"):  # the option reached XLA
+        refusing.get("step1", 1, program, x, donate=False)
+    assert float(Compiler(train_step).get("step1", 1, program, x, donate=False)(x)[0]) == 1.0
+
+
+def test_sinks_on_the_cpu_compile_with_xlas_defaults():
+    cpu = sinkax.backend.backend_of(jax.devices("cpu")[0])
+    assert cpu.compiler_options == ()
+
+
 def test_a_full_pass_of_a_plain_list_ends_the_epoch(batches):
     with sinkax.data_sink(train_step, batches, len(batches)) as sink:
         state, _ = sink(init_state())

@@ -119,7 +119,9 @@ class Compiler:
     ``fn`` is the user's step function: executables are cached under it, so they are reused by
     later sinks of the same function. ``compiles`` counts what this compiler had to build,
     ``seconds`` the time it spent building them; ``settle()``, if given, is called before each
-    build (waiting there for work still running is not counted in ``seconds``).
+    build (waiting there for work still running is not counted in ``seconds``); ``options``:
+    XLA options every build compiles with (a backend's, see
+    :func:`sinkax.backend.compiler_options`).
     """
 
     def __init__(
@@ -128,9 +130,11 @@ class Compiler:
         name: str | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         settle: Callable[[], Any] | None = None,
+        options: Collection[tuple[str, str]] = (),
     ):
         self.name = name or getattr(fn, "__name__", type(fn).__name__).strip("<>")
         self.save_graphs, self._settle = save_graphs, settle
+        self._options = tuple(options)  # part of the cache key: executables differ by them
         self.compiles, self.seconds = 0, 0.0
         try:
             self._cache = _shared.setdefault(fn, {})
@@ -180,14 +184,14 @@ class Compiler:
         """The executable of ``make_program()`` for ``args``' layout, the first arg donated
         (if ``donate``); ``variant``: what else the program depends on that ``args`` do not show
         (e.g. the layout of the outputs it makes), part of the cache key."""
-        key = (kind, steps, variant, layout(args))
+        key = (kind, steps, variant, self._options, layout(args))
         entry = self._cache.get(key)
         if entry is None:
             if self._settle is not None:
                 self._settle()
             start = time.perf_counter()
             lowered = self.lower(make_program(), *args, donate=donate)
-            entry = self._cache[key] = (lowered, lowered.compile())
+            entry = self._cache[key] = (lowered, lowered.compile(dict(self._options) or None))
             self.compiles += 1
             self.seconds += time.perf_counter() - start
         if self.save_graphs and key not in self._dumped:

@@ -81,7 +81,12 @@ class Executor:
                 "and strategy='step' (one device, jit=True), or batch with drop_remainder=True."
             )
         # a build waits for the windows running first: "auto" sizes calls less their builds
-        self.compiler = Compiler(fn, save_graphs=config.save_graphs, settle=self._settle)
+        self.compiler = Compiler(
+            fn,
+            save_graphs=config.save_graphs,
+            settle=self._settle,
+            options=backend_of(config.sharding).compiler_options,
+        )
         self.dispatches = 0
         self._strategy: Any = None
         self._step: Any = None  # the step function the strategy runs
