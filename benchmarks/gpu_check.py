@@ -17,11 +17,10 @@ the next. Parts:
   bench-mlp, bench-lenet, bench-transformer
                benchmarks/gpu_sink_sizes.py: steps/s of plain, prefetching, device-only and
                sinkax loops at sink sizes 1, 10, 100, 1000 and one epoch, with the targets
-  bench-mlp-while, bench-mlp-xla-defaults
+  bench-mlp-while
                bench-mlp under XLA_FLAGS (see FLAG_VARIANTS): every mode's while loops in
                command buffers (CUDA graphs), as sinkax compiles its own on CUDA, so the
-               hand-written loops too; and XLA's default command buffers, sinkax's included
-               (its windows then launch every trip's kernels from the host, as before)
+               hand-written loops too
   plugin       sinkax's PJRT plugin built here and loaded over jax's CUDA plugin, counting
                host-device interactions (benchmarks/gpu_plugin.py; needs pjrt_c_api.h)
   live-mlp     what stop_if_nonfinite and progress= cost the MLP at sink size 1000, and a
@@ -62,10 +61,10 @@ BENCH = os.path.join(ROOT, "benchmarks")
 SITE = os.path.join(tempfile.gettempdir(), "sinkax-gpu-site")
 WORKLOADS = ("mlp", "lenet", "transformer")
 # seconds per part on a GPU, then in the dry run, each cut to what is left of --budget (on the
-# H100 the parts but bench-transformer took ~320 s in all at 58b902a, none near its limit; the
-# transformer ~100 s, bench-mlp-while and -xla-defaults ~30 s each). The dry run's limits only
-# catch a hung part: about a minute in all on 2 quiet cores, it may take several
-# times that beside other work (tests/test_gpu_check.py runs it in the test suite)
+# H100 the parts but bench-transformer took ~370 s in all at fa1fb3c, none near its limit; the
+# transformer ~100 s). The dry run's limits only catch a hung part: about a minute in all on 2
+# quiet cores, it may take several times that beside other work (tests/test_gpu_check.py runs
+# it in the test suite)
 LIMITS = {
     "wheels": (60, 60),
     "imports": (30, 60),
@@ -75,22 +74,16 @@ LIMITS = {
     "bench-lenet": (100, 150),
     "bench-transformer": (130, 150),
     "bench-mlp-while": (80, 150),
-    "bench-mlp-xla-defaults": (80, 150),
     "plugin": (35, 60),
     "live-mlp": (60, 120),
     "auto-mlp": (150, 120),
     "profile-mlp": (90, 90),
 }
 BUDGET_S = 480  # --budget's default, on a GPU and in the dry run (parts past it: SKIP)
-# bench-mlp again under XLA_FLAGS. "while": every mode's loops recorded into command buffers
-# (CUDA graphs with a conditional node), as sinkax compiles its own on CUDA: the hand-written
-# loops compiled alike. "xla-defaults": XLA's default command buffers, which leave while loops
-# out, so the host launches each trip's kernels (graphs) itself; sinkax then compiles as XLA
-# does, as the flag names the option (see sinkax.backend.compiler_options)
-FLAG_VARIANTS = {
-    "while": "--xla_gpu_enable_command_buffer=+WHILE",
-    "xla-defaults": "--xla_gpu_enable_command_buffer=+FUSION",
-}
+# bench-mlp again under XLA_FLAGS: every mode's while loops recorded into command buffers (CUDA
+# graphs with a conditional node), as sinkax compiles its own on CUDA: the hand-written loops
+# compiled alike (bench-mlp's "XLA defaults" rows have sinkax compiled as XLA's defaults)
+FLAG_VARIANTS = {"while": "--xla_gpu_enable_command_buffer=+WHILE"}
 
 ENV_SCRIPT = """
 import json, platform, subprocess, jax, jaxlib

@@ -9,7 +9,9 @@ device-only bounds), medians over repeats; then (but for the transformer), at si
 by DMA), ``no copiers``: the sink of the same batches as an iterable that is no list, which
 the producer copies one by one before it reads the next, where a list's are copied by copier
 threads (on a host of 8 cores or more; see sinkax.channel.packers), and ``1 copier``: the
-list's batches copied by one such thread instead of up to 4. Per sink size also ``first
+list's batches copied by one such thread instead of up to 4, and ``XLA defaults``: the sink
+compiled with ``compiler_options={}`` (on CUDA, its loops then out of command buffers: the
+host launches each trip's kernels), timed in the same round-robin. Per sink size also ``first
 call s``: a fresh sink's first call once its executables are compiled (the producer's start and
 first chunk included), and ``cold first call s``: the first call of the first sink of the
 step, compiles included. The device's peak memory (``memory_stats()["peak_bytes_in_use"]``)
@@ -95,6 +97,7 @@ def bench(w, steps, repeats, sizes, varied):
     variants = [(f"pinned {size}", size, w, {"pin_memory": True}) for size in varied]
     variants += [(f"no copiers {size}", size, iterated, {}) for size in varied]
     variants += [(f"1 copier {size}", size, w, {}) for size in varied]
+    variants += [(f"XLA defaults {size}", size, w, {"compiler_options": {}}) for size in varied]
     rows = sink_sizes.measure(w, steps, repeats, sizes, variants=variants, wrap=one_copier)
     for row in rows:
         if row["mode"] in cold:

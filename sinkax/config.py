@@ -20,13 +20,14 @@ import math
 import numbers
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from jax.sharding import Sharding
 
 from sinkax import placement
-from sinkax.backend import TARGETS, default_device, resolve_device
+from sinkax.backend import TARGETS, backend_of, default_device, resolve_device
 from sinkax.channel.sizing import check_call_seconds
 from sinkax.execution import progress as progress_hook
 from sinkax.execution.guard import Watch, watcher
@@ -123,6 +124,20 @@ def _folder(name: str, folder: Any) -> str | None:
     return os.fspath(folder)
 
 
+def _compiler_options(options: Any, sharding: Sharding) -> tuple[tuple[str, Any], ...]:
+    """``options`` as sorted pairs; ``None``: the backend's (see
+    :func:`sinkax.backend.compiler_options`)."""
+    if options is None:
+        return backend_of(sharding).compiler_options
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise TypeError(
+            "compiler_options must be a dict of XLA option names to values, as jax.jit's "
+            f'(e.g. {{"xla_gpu_enable_command_buffer": ""}}; {{}}: XLA\'s defaults), got '
+            f"{options!r}."
+        )
+    return tuple(sorted(options.items()))
+
+
 def sink_device(device: jax.Device | str) -> jax.Device:
     """``device``; a target or platform name (``"CPU"``, ``"cpu"``, ``"gpu"``) is its first
     device.
@@ -180,6 +195,7 @@ class SinkConfig:
     timeout: float
     sharding: Sharding  # of one batch
     save_graphs: str | None
+    compiler_options: tuple[tuple[str, Any], ...]  # what every executable compiles with
     ragged_last: bool
     calls: int | None = None  # the calls the sink will make, when known
     total_steps: int | None = None  # the steps a sink_size="auto" or -1 sink runs, when known
@@ -202,6 +218,7 @@ class SinkConfig:
         device: jax.Device | str | None = None,
         sharding: Sharding | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
         calls: int | None = None,
         total_steps: int | None = None,
         ragged_last: bool = False,
@@ -233,6 +250,7 @@ class SinkConfig:
             timeout=float(timeout),
             sharding=placed,
             save_graphs=_folder("save_graphs", save_graphs),
+            compiler_options=_compiler_options(compiler_options, placed),
             calls=None if calls is None else int(calls),
             total_steps=None if total_steps is None else int(total_steps),
             ragged_last=bool(ragged_last),

@@ -32,8 +32,7 @@ from sinkax.stats import SinkStats
 
 
 def _shaping(config: SinkConfig) -> dict[str, Any]:
-    """The options that shape a sink's compiled programs and chunks, as the processes of a job
-    compare them (:class:`~sinkax.peers.Peers`)."""
+    """The options shaping a sink's programs and chunks, as processes compare them (Peers)."""
     shaping = ("sink_size", "jit", "strategy", "max_chunk_bytes", "calls", "ragged_last")
     mesh = placement.describe(config.sharding)
     return {**{name: getattr(config, name) for name in shaping}, "mesh": mesh}
@@ -308,6 +307,8 @@ def data_sink(
         comes back sharded as it was). Across ``jax.distributed`` processes each process's
         dataset yields its own part of every global batch (see :mod:`sinkax.distributed`).
       save_graphs: a folder to write each executable's StableHLO and optimised HLO into.
+      compiler_options: XLA options for every executable, as ``jax.jit``'s (``{}``: XLA's
+        defaults); default: the device's, see :func:`sinkax.backend.compiler_options`.
       calls: the calls this sink will make, if known (``DatasetHelper`` and ``Model`` pass
         their epochs): its producer then reads and moves to the device nothing past them, and a
         call after them raises :class:`~sinkax.errors.SinkExhaustedError`; a call that
@@ -329,10 +330,9 @@ def data_sink(
         the sink's, the rest when the call returns (see :mod:`sinkax.execution.progress`). An
         error it raises comes from a later call, before it runs, or from :meth:`Sink.close`.
       pin_memory: build chunks in the device's pinned (page-locked) host memory, which the
-        device reads by DMA, rather than in numpy memory, which a GPU runtime first copies into
-        pinned memory of its own (a sink on one device; ``prefetch + 1`` chunks of memory that
-        is never paged out; not for the one-step ``"step"`` strategy, which hands batches over
-        as they are). Default ``False``.
+        device reads by DMA, not in numpy memory, which a GPU runtime first copies into pinned
+        memory of its own (one device; ``prefetch + 1`` chunks never paged out; not for the
+        ``"step"`` strategy, which hands batches over as they are). Default ``False``.
       read_options: ``grain.ReadOptions`` for a grain ``MapDataset`` (default: read in the
         producer thread; give ``num_threads`` for heavy per-record Python transforms).
       data_state: a :meth:`Sink.data_state` to start from.

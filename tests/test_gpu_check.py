@@ -27,7 +27,7 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     assert summary.splitlines()[0] in result.stdout.splitlines()  # the summary is printed last
     assert "DRY RUN" in summary.splitlines()[0]
     parts = {line.split()[0]: line.split()[1] for line in summary.splitlines()[1:]}
-    workloads = {"mlp", "lenet", "transformer", "mlp-while", "mlp-xla-defaults"}  # XLA_FLAGS: -*
+    workloads = {"mlp", "lenet", "transformer", "mlp-while"}  # (an XLA_FLAGS variant)
     benchmarks = {f"bench-{w}" for w in workloads}
     expected = {"imports", "env", "tests", "plugin", "live-mlp", "auto-mlp", "profile-mlp"}
     expected |= benchmarks
@@ -39,6 +39,9 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     modes = [row["mode"] for row in results["workloads"]["transformer"]["rows"]]
     assert modes[:3] == ["plain", "jit, put 2 ahead", "scan 100, put next first"]
     assert "sinkax 1" in modes and "device scan" in modes
+    mlp = results["workloads"]["mlp"]
+    assert "XLA defaults 2" in [row["mode"] for row in mlp["rows"]]  # compiler_options={}
+    assert mlp["sinkax_compiler_options"] == {}  # the CPU's: XLA's defaults
     assert (tmp_path / "gpu_sink_sizes.png").stat().st_size > 0
     summary = (tmp_path / "tests.log").read_text().strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ skipped in [\d.]+s", summary)  # tests/test_gpu.py: no GPU here

@@ -39,9 +39,11 @@ from conftest import (
 )
 
 import sinkax
+from sinkax.backend import backend_of
 from sinkax.channel.packers import Unstacked
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import as_source
+from sinkax.config import SinkConfig
 from sinkax.execution.compiler import Compiler
 from sinkax.execution.programs import concat_program
 
@@ -1239,17 +1241,27 @@ def test_save_graphs_names_executables_of_one_kind_and_size_apart(tmp_path):
     assert "f32[4,3]" in (tmp_path / files[1]).read_text()
 
 
-def test_the_compiler_builds_with_the_options_it_is_given():
-    program, x = lambda: lambda s: s + 1, jnp.zeros(3)
-    refusing = Compiler(train_step, options=[("xla_gpu_enable_command_buffer", "BOGUS")])
-    with pytest.raises(Exception, match="BOGUS"):  # the option reached XLA
-        refusing.get("step1", 1, program, x, donate=False)
-    assert float(Compiler(train_step).get("step1", 1, program, x, donate=False)(x)[0]) == 1.0
+def test_a_sinks_executables_compile_with_its_compiler_options(batches):
+    state = init_state()
+    bogus = {"xla_gpu_enable_command_buffer": "BOGUS"}
+    with sinkax.data_sink(train_step, batches, 2, compiler_options=bogus) as sink:
+        with pytest.raises(Exception, match="BOGUS"):  # the option reached XLA
+            sink(state)
+        assert sink.step == 0  # nothing ran
+    with sinkax.data_sink(train_step, batches, 2, compiler_options={}) as sink:
+        _, losses = sink(state)  # the state passed to the failed call is intact
+    np.testing.assert_allclose(losses, reference_run(batches, 2)[1], rtol=1e-6)
 
 
-def test_sinks_on_the_cpu_compile_with_xlas_defaults():
-    cpu = sinkax.backend.backend_of(jax.devices("cpu")[0])
-    assert cpu.compiler_options == ()
+def test_compiler_options_default_to_the_devices_and_must_be_a_dict():
+    cpu = jax.devices("cpu")[0]
+    assert SinkConfig.of(1, device=cpu).compiler_options == backend_of(cpu).compiler_options == ()
+    assert SinkConfig.of(1, compiler_options={"b": 1, "a": "x"}).compiler_options == (
+        ("a", "x"),
+        ("b", 1),
+    )
+    with pytest.raises(TypeError, match="compiler_options must be a dict"):
+        SinkConfig.of(1, compiler_options="xla_gpu_enable_command_buffer=")
 
 
 def test_a_full_pass_of_a_plain_list_ends_the_epoch(batches):

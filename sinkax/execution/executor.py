@@ -85,7 +85,7 @@ class Executor:
             fn,
             save_graphs=config.save_graphs,
             settle=self._settle,
-            options=backend_of(config.sharding).compiler_options,
+            options=config.compiler_options,
         )
         self.dispatches = 0
         self._strategy: Any = None
