@@ -75,7 +75,7 @@ LIMITS = {
     "bench-transformer": (130, 150),
     "bench-mlp-while": (80, 150),
     "plugin": (35, 60),
-    "live-mlp": (60, 120),
+    "live-mlp": (90, 120),
     "auto-mlp": (150, 120),
     "profile-mlp": (90, 90),
 }

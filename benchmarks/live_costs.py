@@ -2,7 +2,9 @@
 same sink without, side by side (issue 24's targets: each at most 3 % slower, MLP, sink 1000,
 one report per 100 steps); and, beside them, what reporting through JAX's own host callback
 costs: a hand-written ``lax.scan`` over a chunk already on the device with a
-``jax.debug.callback`` every 100 steps, against the same scan without.
+``jax.debug.callback`` every 100 steps, against the same scan without. Reported too: both
+options with conditionals in CUDA command buffers (``PROBES``; on other devices the same
+sink as ``both``).
 
 Every mode runs the same step, sink size and strategy (``"scan"``: what a GPU runs, and the
 strategy whose windows report from blocks), timed as ``benchmarks/sink_sizes.py`` times a sink
@@ -36,6 +38,8 @@ from _common import (
 )
 from sink_sizes import device_scan, sinkax_run
 
+from sinkax.backend import CUDA_COMMAND_BUFFERS
+
 MODES = {
     "plain": {},
     "stop_if_nonfinite": {"stop_if_nonfinite": "loss"},
@@ -45,6 +49,18 @@ MODES = {
         "progress": lambda steps, out: None,
         "progress_every": 100,
     },
+}
+# reported, no target: both, with conditionals in CUDA graphs too. The guard's window is a
+# `lax.cond` (sinkax.execution.guard), whose branch XLA's GPU runtime picks on the host, once the
+# window before it is computed: with `progress=`, once per block. On CUDA in command buffers
+# the device picks it; elsewhere the option changes nothing
+PROBES = {
+    "both, conditionals in command buffers": {
+        **MODES["both"],
+        "compiler_options": {
+            "xla_gpu_enable_command_buffer": f"{CUDA_COMMAND_BUFFERS},CONDITIONAL"
+        },
+    }
 }
 EVERY = 100  # steps per report
 HAND = {"hand scan": None, f"hand scan, jax.debug.callback every {EVERY}": EVERY}
@@ -72,7 +88,10 @@ def measure(name: str, steps: int, sink_size: int, repeats: int) -> list[dict]:
     """Steps/s of each mode, its runs interleaved with the others'; ``x base`` against the
     same sink without the option, or the same hand-written scan without the callback."""
     w = workload(name, max(sink_size, 3 * EVERY))  # the hand-written scans run an epoch a call
-    runs = {mode: sinkax_run(w, steps, sink_size, "scan", **o)[0] for mode, o in MODES.items()}
+    runs = {
+        mode: sinkax_run(w, steps, sink_size, "scan", **o)[0]
+        for mode, o in {**MODES, **PROBES}.items()
+    }
     for mode, every in HAND.items():
         runs[mode] = device_scan(w, steps, every and reporting(w, every))
     rates: dict[str, list[float]] = {mode: [] for mode in runs}
@@ -111,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {verdict}  {row['mode']}: {row['x base']:.3f}x plain (target >= {TARGET}x)")
     alone = rows[-1]["x base"]
     print(f"  ----  JAX's host callback alone: {alone:.3f}x the scan without it (reported)")
+    for row in rows:
+        if row["mode"] in PROBES:
+            print(f"  ----  {row['mode']}: {row['x base']:.3f}x plain (reported)")
     suffix = "" if jax.default_backend() == "cpu" else f"_{jax.default_backend()}"
     payload = {"workload": args.workload, "rows": rows, **vars(args)}
     save(f"live_costs{suffix}{binding}", payload, folder=args.out_dir)
