@@ -16,7 +16,10 @@ slower than 3 calls of the best fixed size measured cold): the seconds of the co
 creation and first 3 calls, and of those of new sinks of fixed sizes 10, 100 and 1000, each of
 a step no sink has run (the strategy measured as by default), with the steps/s of the calls
 after them (at least 3, and 2,000 steps); the best fixed size is the one of the highest steps/s
-there.
+there. Before any of them, a sink of one step on a step of its own pays what a process pays
+once, whatever sink comes first (the device's libraries loaded and set up, the first compile's
+own costs, sinkax's threads), so that no timed sink does: the GPU's first one had been the cold
+auto sink.
 
     python benchmarks/auto_calls.py                       # MLP and LeNet5, 0.1, 0.5 and 1 s
     python benchmarks/auto_calls.py --workloads mlp --targets 0.05 --calls 8   # a smoke run
@@ -191,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--calls must be more than the {SETTLING} calls that settle")
     use_device(args.device)
     binding = bind_cpus(args.affinity)
+    for name in args.workloads:  # the process's first-use costs, on no sink that is timed
+        timed_calls(workload(name, 250), 1, 2, step=new_step(workload(name, 250)))
     rows = [
         row
         for name in args.workloads
