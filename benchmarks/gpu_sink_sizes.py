@@ -14,7 +14,8 @@ compiled with ``compiler_options={}`` (on CUDA, its loops then out of command bu
 host launches each trip's kernels), timed in the same round-robin. Per sink size also ``first
 call s``: a fresh sink's first call once its executables are compiled (the producer's start and
 first chunk included), and ``cold first call s``: the first call of the first sink of the
-step, compiles included. The device's peak memory (``memory_stats()["peak_bytes_in_use"]``)
+step, compiles included (a sink of a step of its own pays the process's first-use costs
+before them). The device's peak memory (``memory_stats()["peak_bytes_in_use"]``)
 covers the whole process, all modes.
 
     python benchmarks/gpu_sink_sizes.py mlp --out mlp.json              # on a GPU
@@ -91,6 +92,8 @@ def one_copier(mode, run):
 def bench(w, steps, repeats, sizes, varied):
     """Rows of the table for workload ``w``, one per mode (see :func:`sink_sizes.measure`)."""
     cold = {}
+    own = dataclasses.replace(w, step=lambda state, batch: w.step(state, batch))
+    first_call_seconds(own, 1, "auto")  # the process's first-use costs, in no sink timed
     for size in sizes:  # the first sink of the step: compiles included
         cold[sink_sizes.label(size, len(w.batches))] = first_call_seconds(w, size, "auto")
     iterated = dataclasses.replace(w, batches=Iterated(w.batches))
