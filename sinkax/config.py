@@ -129,11 +129,13 @@ def _compiler_options(options: Any, sharding: Sharding) -> tuple[tuple[str, Any]
     :func:`sinkax.backend.compiler_options`)."""
     if options is None:
         return backend_of(sharding).compiler_options
-    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+    if not isinstance(options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str | bool | int | float) for k, v in options.items()
+    ):
         raise TypeError(
-            "compiler_options must be a dict of XLA option names to values, as jax.jit's "
-            f'(e.g. {{"xla_gpu_enable_command_buffer": ""}}; {{}}: XLA\'s defaults), got '
-            f"{options!r}."
+            "compiler_options must be a dict of XLA option names to str, bool, int or float "
+            f'values, as jax.jit\'s (e.g. {{"xla_gpu_enable_command_buffer": ""}}; {{}}: XLA\'s '
+            f"defaults), got {options!r}."
         )
     return tuple(sorted(options.items()))
 

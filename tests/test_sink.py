@@ -1260,8 +1260,9 @@ def test_compiler_options_default_to_the_devices_and_must_be_a_dict():
         ("a", "x"),
         ("b", 1),
     )
-    with pytest.raises(TypeError, match="compiler_options must be a dict"):
-        SinkConfig.of(1, compiler_options="xla_gpu_enable_command_buffer=")
+    for bad in ("xla_gpu_enable_command_buffer=", {"xla_gpu_enable_command_buffer": ["WHILE"]}):
+        with pytest.raises(TypeError, match="compiler_options must be a dict"):
+            SinkConfig.of(1, compiler_options=bad)
 
 
 def test_a_full_pass_of_a_plain_list_ends_the_epoch(batches):

@@ -130,7 +130,7 @@ class Compiler:
         name: str | None = None,
         save_graphs: str | os.PathLike[str] | None = None,
         settle: Callable[[], Any] | None = None,
-        options: Collection[tuple[str, str]] = (),
+        options: Collection[tuple[str, Any]] = (),
     ):
         self.name = name or getattr(fn, "__name__", type(fn).__name__).strip("<>")
         self.save_graphs, self._settle = save_graphs, settle
