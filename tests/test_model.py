@@ -787,6 +787,32 @@ def test_a_checkpoint_within_an_epoch_resumed_with_a_fixed_size_runs_that_epochs
     assert run.step == 3 + 3 * 4 and epochs.ended == [(1, 7), (2, 4), (3, 4)]
 
 
+class _SaveAtBeginAndStop(Callback):
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+
+    def on_train_begin(self, run):
+        self.checkpoint.save(run)
+        run.request_stop()
+
+
+def test_a_save_as_a_run_resumed_within_an_epoch_begins_records_where_it_resumed(tmp_path):
+    uninterrupted = new_model()
+    uninterrupted.train(3, blobs(10), dataset_sink_mode=False)
+    first = ModelCheckpoint(tmp_path / "first")  # at step 13: epoch 1 and 3 steps of epoch 2
+    new_model().train(3, blobs(10), [first, _SaveAndStopAt(first, 13)], dataset_sink_mode=False)
+    again = ModelCheckpoint(tmp_path / "again")
+    new_model().train(
+        3, blobs(10), _SaveAtBeginAndStop(again), dataset_sink_mode=False, resume_from=first
+    )
+    meta = new_model().restore(tmp_path / "again")
+    assert (meta["step"], meta["epoch"], meta["step_in_epoch"]) == (13, 1, 3)
+    resumed = new_model()
+    run = resumed.train(3, blobs(10), dataset_sink_mode=False, resume_from=tmp_path / "again")
+    assert run.step == 30
+    assert_trees_equal(resumed.state, uninterrupted.state)
+
+
 def test_the_progress_hooks_error_in_the_last_call_comes_when_training_ends(tmp_path):
     told = []
 

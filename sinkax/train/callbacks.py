@@ -94,6 +94,15 @@ class RunContext:
         return self.step_in_epoch >= self.epoch_steps or (self.helper.one_call_epochs and ran)
 
     @property
+    def completed(self) -> tuple[int, int]:
+        """``(epochs, steps)``: the epochs completed and the steps run of the next, where a run
+        resumed from this point continues (before the first epoch begins: where this run
+        resumed)."""
+        if self.epoch == self.initial_epoch:  # on_train_begin: no epoch of this run under way
+            return self.epoch, self.step_in_epoch
+        return (self.epoch, 0) if self.epoch_done else (self.epoch - 1, self.step_in_epoch)
+
+    @property
     def sink_stats(self) -> SinkStats | None:
         """The training sink's statistics (``None`` in non-sink mode)."""
         return self.helper.stats

@@ -190,10 +190,10 @@ class ModelCheckpoint(Callback):
             )
             return
         state = jax.device_get(run.state)
-        ended = run.epoch_done
+        epochs, step_in_epoch = run.completed
         meta = {
-            "epoch": run.epoch if ended else run.epoch - 1,  # the epochs completed
-            "step_in_epoch": 0 if ended else run.step_in_epoch,
+            "epoch": epochs,
+            "step_in_epoch": step_in_epoch,
             "step": run.step,
             "data_state": distributed.shared_position(run.data_state(), 2 * run.helper.timeout),
             "layout": layout(state),
