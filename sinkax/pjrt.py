@@ -82,6 +82,7 @@ class _Loaded:
 
 
 _loaded: list[_Loaded] = []  # the plugin, once loaded: one per process
+_failed: set[str] = set()  # platform names a failed load left registered with jax
 
 
 def _plugin_library_path() -> str:
@@ -116,6 +117,8 @@ def use_plugin(
             )
         _set_costs(loaded.library, chosen)
         return platform
+    if platform in _failed:
+        raise RuntimeError(_TAKEN.format(platform=platform, why="An earlier, failed load"))
     if compat.backends_are_initialized():
         raise RuntimeError(
             "jax has already initialized its backends, so a plugin can no longer be added. Call "
@@ -140,9 +143,19 @@ def use_plugin(
         raise
     except Exception as error:
         reason = library.sinkax_pjrt_load_error().decode()
-        raise RuntimeError(f"Could not load the PJRT plugin {inner_path}: {reason}") from error
+        _failed.add(platform)
+        raise RuntimeError(
+            f"Could not load the PJRT plugin {inner_path}: {reason}. "
+            + _TAKEN.format(platform=platform, why="The failed load")
+        ) from error
     _loaded.append(_Loaded(library, platform, inner_path, discrete))  # loaded: not before
     return platform
+
+
+_TAKEN = (
+    "{why} left the platform name {platform!r} registered with jax for this process: load the "
+    "plugin under another platform name, or in a new process."
+)
 
 
 def _check_platform_name(platform: str) -> None:

@@ -327,6 +327,29 @@ def test_the_plugin_loads_in_a_fresh_process_only_when_asked():
     assert plain.returncode != 0 and "Unknown backend" in plain.stderr
 
 
+def test_a_failed_plugin_load_says_to_retry_under_another_name_which_works():
+    code = """if True:
+        import sinkax_pjrt
+        from sinkax import pjrt
+        for inner, name in [("/missing/plugin.so", "first"), (sinkax_pjrt.cpu_plugin_path(),
+                "first"), (sinkax_pjrt.cpu_plugin_path(), "second")]:
+            try:
+                print(pjrt.use_plugin(inner, name))
+            except RuntimeError as error:
+                print(error)
+        import jax
+        print(jax.devices("second")[0].platform)
+    """
+    env = {k: v for k, v in os.environ.items() if k != "SINKAX_PJRT"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    first, again, second, platform = run.stdout.strip().splitlines()
+    assert first.startswith("Could not load the PJRT plugin /missing/plugin.so")
+    assert "under another platform name, or in a new process" in first
+    assert again.startswith("An earlier, failed load left the platform name 'first'")
+    assert (second, platform) == ("second", "second")
+
+
 def test_a_misspelt_sinkax_pjrt_stops_the_program_with_the_presets(monkeypatch):
     code = "import jax; print(jax.devices()); import sinkax; print('carried on')"
     env = {**os.environ, "SINKAX_PJRT": "pcie4-x61"}
