@@ -13,7 +13,8 @@ that the producer holds, they wait less), and the sink's ``data_wait_s``/``slot_
 how long such a window's call takes to return made at once after its chunk's ``device_put`` and
 once the chunk is there (whether a launch waits for a transfer in flight). Then the frames the
 main thread and the producer thread were in, sampled every millisecond while the sink ran (the
-innermost frame inside sinkax, jax or numpy; ``other`` elsewhere).
+innermost frame inside sinkax, jax or numpy; ``other`` elsewhere). First, once, how fast the
+host copies batches into staging (:func:`copy_rates`).
 
     python benchmarks/host_profile.py mlp --sizes 10 1000     # any device; the default one
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import os
 import statistics
@@ -34,6 +36,7 @@ import numpy as np
 from _common import fresh, machine, workload
 
 import sinkax
+from sinkax.channel import packers
 
 KEEP = ("sinkax", "jax", "numpy", "grain", "threading", "queue")
 
@@ -189,6 +192,44 @@ def call_after_put(w, size, calls=20):
     return statistics.median(seconds[False][1:]), statistics.median(seconds[True])
 
 
+def copy_rates(w, rows=1000, threads=4, repeats=3):
+    """Steps/s at which this host stacks ``rows`` batches of ``w`` into reused staging, as a
+    sink's copiers do (row by row, :func:`~sinkax.channel.packers.copy_rows`): in one thread,
+    in ``threads`` threads (a share each, from a pool), and by one ``np.stack(..., out=)`` per
+    leaf; best of ``repeats``. Set against a sink's idle-step rate: whether the copy, or the
+    handing over of its rows between threads, bounds the data path."""
+    rows_of = [(i, jax.tree.leaves(w.batches[i % len(w.batches)])) for i in range(rows)]
+    staging = [np.empty((rows, *np.shape(x)), np.asarray(x).dtype) for x in rows_of[0][1]]
+    share = -(-rows // threads)
+
+    def pooled(pool):
+        parts = [rows_of[k : k + share] for k in range(0, rows, share)]
+        for future in [pool.submit(packers.copy_rows, staging, part) for part in parts]:
+            future.result()
+
+    def stacked():
+        for j, buffer in enumerate(staging):
+            np.stack([leaves[j] for _, leaves in rows_of], out=buffer)
+
+    def rate(copy):
+        copy()  # pages touched, threads started
+        best = min(timed_once(copy) for _ in range(repeats))
+        return rows / best
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return {
+            "1 thread": rate(lambda: packers.copy_rows(staging, rows_of)),
+            f"{threads} threads": rate(lambda: pooled(pool)),
+            "np.stack": rate(stacked),
+        }
+
+
+def timed_once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workload", nargs="?", default="mlp")
@@ -201,6 +242,9 @@ def main(argv=None):
 
     def idle(state, batch):
         return state, ()
+
+    rates = copy_rates(w)
+    print("host copy into staging, steps/s: " + "; ".join(f"{k} {v:.0f}" for k, v in rates.items()))
 
     for size in args.sizes:
         calls = max(3, args.steps // size)
