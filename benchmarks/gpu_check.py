@@ -61,10 +61,10 @@ BENCH = os.path.join(ROOT, "benchmarks")
 SITE = os.path.join(tempfile.gettempdir(), "sinkax-gpu-site")
 WORKLOADS = ("mlp", "lenet", "transformer")
 # seconds per part on a GPU, then in the dry run, each cut to what is left of --budget (on the
-# H100 the parts but bench-transformer took ~370 s in all at fa1fb3c, none near its limit; the
-# transformer ~100 s). The dry run's limits only catch a hung part: about a minute in all on 2
-# quiet cores, it may take several times that beside other work (tests/test_gpu_check.py runs
-# it in the test suite)
+# H100 the parts but bench-transformer took 398 s in all at fa1fb3c, none near its limit, with
+# a variant since dropped, ~30 s, and less since added; the transformer ~100 s). The dry run's
+# limits only catch a hung part: about a minute in all on 2 quiet cores, it may take several
+# times that beside other work (tests/test_gpu_check.py runs it in the test suite)
 LIMITS = {
     "wheels": (60, 60),
     "imports": (30, 60),
