@@ -105,6 +105,17 @@ def fresh(state: Any) -> Any:
     return jax.tree.map(jnp.copy, state)
 
 
+def pay_first_use(w: Workload) -> None:
+    """Run a one-step sink of ``w`` on a step function of its own: what a process pays once,
+    whatever sink comes first (the device's libraries set up, the first compile's own costs,
+    sinkax's threads), so that no timed sink pays it. The executables of ``w.step`` are not
+    compiled by it: a sink timed cold after it still compiles everything."""
+    import sinkax
+
+    with sinkax.data_sink(lambda state, batch: w.step(state, batch), w.batches, 1) as sink:
+        jax.block_until_ready(sink(fresh(w.init())))
+
+
 def median_rate(run: Callable[[], int | tuple[int, float, int]], repeats: int) -> float:
     """Median over ``repeats`` of (steps run) / (seconds), ``run`` returning its step count (it
     is timed whole) or ``(steps, seconds, all steps)`` (it timed the part that counts itself, of

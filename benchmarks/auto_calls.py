@@ -42,6 +42,7 @@ from _common import (
     bind_cpus,
     fresh,
     machine,
+    pay_first_use,
     save,
     table,
     use_device,
@@ -194,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--calls must be more than the {SETTLING} calls that settle")
     use_device(args.device)
     binding = bind_cpus(args.affinity)
-    for name in args.workloads:  # the process's first-use costs, on no sink that is timed
-        timed_calls(workload(name, 250), 1, 2, step=new_step(workload(name, 250)))
+    pay_first_use(workload(args.workloads[0], 250))
     rows = [
         row
         for name in args.workloads

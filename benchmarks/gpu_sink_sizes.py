@@ -34,7 +34,7 @@ import time
 import _transformer
 import jax
 import sink_sizes
-from _common import fresh, machine, table, workload
+from _common import fresh, machine, pay_first_use, table, workload
 
 import sinkax
 from sinkax.backend import backend_of
@@ -92,8 +92,7 @@ def one_copier(mode, run):
 def bench(w, steps, repeats, sizes, varied):
     """Rows of the table for workload ``w``, one per mode (see :func:`sink_sizes.measure`)."""
     cold = {}
-    own = dataclasses.replace(w, step=lambda state, batch: w.step(state, batch))
-    first_call_seconds(own, 1, "auto")  # the process's first-use costs, in no sink timed
+    pay_first_use(w)
     for size in sizes:  # the first sink of the step: compiles included
         cold[sink_sizes.label(size, len(w.batches))] = first_call_seconds(w, size, "auto")
     iterated = dataclasses.replace(w, batches=Iterated(w.batches))

@@ -33,7 +33,7 @@ import time
 
 import jax
 import numpy as np
-from _common import fresh, machine, workload
+from _common import fresh, machine, median_rate, workload
 
 import sinkax
 from sinkax.channel import packers
@@ -196,7 +196,7 @@ def copy_rates(w, rows=1000, threads=4, repeats=3):
     """Steps/s at which this host stacks ``rows`` batches of ``w`` into reused staging, as a
     sink's copiers do (row by row, :func:`~sinkax.channel.packers.copy_rows`): in one thread,
     in ``threads`` threads (a share each, from a pool), and by one ``np.stack(..., out=)`` per
-    leaf; best of ``repeats``. Set against a sink's idle-step rate: whether the copy, or the
+    leaf; medians of ``repeats``. Set against a sink's idle-step rate: whether the copy, or the
     handing over of its rows between threads, bounds the data path."""
     rows_of = [(i, jax.tree.leaves(w.batches[i % len(w.batches)])) for i in range(rows)]
     staging = [np.empty((rows, *np.shape(x)), np.asarray(x).dtype) for x in rows_of[0][1]]
@@ -213,8 +213,7 @@ def copy_rates(w, rows=1000, threads=4, repeats=3):
 
     def rate(copy):
         copy()  # pages touched, threads started
-        best = min(timed_once(copy) for _ in range(repeats))
-        return rows / best
+        return median_rate(lambda: copy() or rows, repeats)
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         return {
@@ -222,12 +221,6 @@ def copy_rates(w, rows=1000, threads=4, repeats=3):
             f"{threads} threads": rate(lambda: pooled(pool)),
             "np.stack": rate(stacked),
         }
-
-
-def timed_once(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main(argv=None):
