@@ -46,6 +46,7 @@ from sinkax.channel.source import as_source
 from sinkax.config import SinkConfig
 from sinkax.execution.compiler import Compiler
 from sinkax.execution.programs import concat_program
+from sinkax.spec import BatchSpec, check
 
 
 def run_sink(batches, sink_size, calls, step=None, **options):
@@ -410,6 +411,23 @@ def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):
         with pytest.raises(sinkax.BatchSpecError):  # and it keeps failing the same way
             sink(state)
     jax.block_until_ready(state)  # the state of the last finished call is intact
+
+
+@pytest.mark.parametrize(
+    "drift, named",
+    [
+        (lambda b: {**b, "x": b["x"].astype(np.float64)}, r"leaf \['x'\].*float32.*float64"),
+        (lambda b: {**b, "y": b["y"][:, 0]}, r"leaf \['y'\].*\(8, 1\).*\(8,\)"),
+        (lambda b: {"x": b["x"]}, "tree structure"),
+    ],
+    ids=["dtype", "shape", "tree"],
+)
+def test_every_batch_is_checked_against_the_first_leaf_by_leaf(batches, drift, named):
+    spec = BatchSpec.of(batches[0])
+    leaves = check(spec, batches[1], "epoch 0, step 1")
+    assert all(a is b for a, b in zip(leaves, jax.tree.leaves(batches[1]), strict=True))
+    with pytest.raises(sinkax.BatchSpecError, match=named):
+        check(spec, drift(batches[1]), "epoch 0, step 1")
 
 
 @pytest.mark.parametrize("sink_size", [1, 3])

@@ -14,7 +14,7 @@ from typing import Any
 from sinkax.channel.source import Position
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per call a chunk holds: slots, cheap
 class Piece:
     """``steps`` batches of a chunk; ``ends_call`` if a sink call ends with them."""
 

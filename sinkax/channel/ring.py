@@ -190,27 +190,28 @@ class DeviceRing:
         with self._lock:
             self._building = build
         pending = collections.deque(pending)
+        source, write, ragged = self._source, self.packer.write, self.packer.ragged_last
         try:
             for piece_steps, ends_call in layout:
-                for _ in range(piece_steps):
-                    where = self._source.position
+                for _ in range(piece_steps):  # per batch: kept to the least Python
+                    where = source.position
                     batch = pending.popleft() if pending else self._read()
-                    last = self.packer.ragged_last and where.step + 1 == self._source.epoch_length
-                    if self._short and not (last or isinstance(batch, _Row)):
-                        spec = self.spec = widened(spec, batch, where)
-                        self._short = False
-                    leaves = (
-                        batch.leaves if isinstance(batch, _Row) else check(spec, batch, where, last)
-                    )
+                    if type(batch) is _Row:  # checked when it was first read
+                        leaves = batch.leaves
+                    else:
+                        last = ragged and where.step + 1 == source.epoch_length
+                        if self._short and not last:
+                            spec = self.spec = widened(spec, batch, where)
+                            self._short = False
+                        leaves = check(spec, batch, where, last)
                     with self._lock:
                         if build.taken is not None:  # the batch starts the next chunk
                             self._building = None
                             return layout[build.taken :], [*build.carry, _Row(leaves), *pending]
-                        self.packer.write(build, spec, leaves)
+                        write(build, spec, leaves)
                         build.filled += 1
                     if self._stopped:
                         raise _Stopped
-                source = self._source
                 piece = Piece(piece_steps, ends_call, source.position, source.get_state())
                 with self._lock:
                     if build.taken is not None:

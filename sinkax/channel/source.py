@@ -32,7 +32,7 @@ from sinkax.channel.replay import FIRST_BATCH, ReplayDiffersError, fingerprint
 from sinkax.errors import warn
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per batch read: slots make it cheap
 class Position:
     """Where the next batch comes from: epoch number and step within that epoch (both from 0)."""
 
