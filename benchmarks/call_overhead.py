@@ -6,7 +6,10 @@ dispatch of a jitted step over batches already on the device; for a sink everyth
 does besides (the Ctrl-C hand-off, the state's check, the data position, the chunk's window).
 Two states: one scalar, and the benchmark MLP's parameters and momentum (12 leaves), which a
 sink checks each call. CPU time of the calling thread (``time.thread_time``), so time waiting
-for the producer or the device is not counted; medians over repeats, each a run of many calls.
+for the producer or the device is not counted; beside it the CPU time of the process's other
+threads per call (``time.process_time`` less the calling thread's): for a sink its producer
+reading, checking and staging the call's batches, for both XLA's threads, which with this step
+do next to nothing. Medians over repeats, each a run of many calls.
 
     python benchmarks/call_overhead.py          # ~10 seconds
 """
@@ -40,8 +43,8 @@ def step(state, batch):
 
 
 def per_call_us(mode, state, batches, calls):
-    """Main-thread CPU microseconds per call of ``mode``, after warm calls (on a copy of
-    ``state``: the calls donate it)."""
+    """CPU microseconds per call of ``mode``, of the calling thread and of the others, after
+    warm calls (on a copy of ``state``: the calls donate it)."""
     state = fresh(state)
     if mode == "jit":
         jitted = jax.jit(step, donate_argnums=0)
@@ -54,7 +57,8 @@ def per_call_us(mode, state, batches, calls):
     else:
         size = int(mode.split()[1])
         strategy = mode.split("(")[1].rstrip(")")
-        sink = sinkax.data_sink(step, batches, size, strategy=strategy, prefetch=8)
+        # reading nothing past its calls: the other threads' time is theirs
+        sink = sinkax.data_sink(step, batches, size, strategy=strategy, calls=100 + calls)
 
         def call(i, state):
             return sink(state)[0]
@@ -63,14 +67,14 @@ def per_call_us(mode, state, batches, calls):
     for i in range(100):
         state = call(i, state)
     jax.block_until_ready(state)
-    t0 = time.thread_time()
+    t0, p0 = time.thread_time(), time.process_time()
     for i in range(calls):
         state = call(i, state)
     jax.block_until_ready(state)
-    seconds = time.thread_time() - t0
+    seconds, process = time.thread_time() - t0, time.process_time() - p0
     if close:
         close()
-    return seconds / calls * 1e6
+    return seconds / calls * 1e6, (process - seconds) / calls * 1e6
 
 
 def plot(rows, plt):
@@ -96,12 +100,14 @@ def main(argv=None):
         for _ in range(args.repeats):  # the modes take turns: a change of load hits them all
             for mode in MODES:
                 times[mode].append(per_call_us(mode, state, batches, args.calls))
-        base = statistics.median(times["jit"])
+        base = statistics.median(main for main, _ in times["jit"])
         for mode in MODES:
-            us = statistics.median(times[mode])
-            rows.append({"state": name, "mode": mode, "host us/call": us, "x jit": us / base})
+            us = statistics.median(main for main, _ in times[mode])
+            others = statistics.median(other for _, other in times[mode])
+            row = {"state": name, "mode": mode, "host us/call": us, "x jit": us / base}
+            rows.append({**row, "other threads us/call": others})
     print(f"call overhead ({machine()['device']}, jax {jax.__version__})")
-    print(table(rows, ["state", "mode", "host us/call", "x jit"]))
+    print(table(rows, ["state", "mode", "host us/call", "x jit", "other threads us/call"]))
     payload = {"rows": rows, "calls": args.calls, "repeats": args.repeats}
     save("call_overhead", payload, lambda plt: plot(rows, plt))
 
