@@ -40,8 +40,14 @@ def samples_of(dataset, steps):
 
 @pytest.mark.parametrize(
     ("strategy", "options"),
-    [("scan", {}), ("loop", {}), ("scan", {"jit": False}), ("scan", {"max_chunk_bytes": 1})],
-    ids=["scan", "loop", "eager", "one-batch-chunks"],
+    [
+        ("scan", {}),
+        ("loop", {}),
+        ("scan", {"jit": False}),
+        ("scan", {"max_chunk_bytes": 1}),
+        ("scan", {"progress": lambda steps, out: None, "progress_every": 1}),  # 4 blocks a call
+    ],
+    ids=["scan", "loop", "eager", "one-batch-chunks", "progress-blocks"],
 )
 def test_a_call_stops_at_the_first_nonfinite_step_with_the_state_before_it(strategy, options):
     dataset = indexed_map_dataset(40, 2)  # 20 batches, reshuffled
