@@ -72,6 +72,28 @@ def test_a_call_stops_at_the_first_nonfinite_step_with_the_state_before_it(strat
         assert float(total) == sum(b[0] for b in batches[:6])
 
 
+def test_a_window_in_progress_blocks_branches_once_in_its_join_not_in_each_block(tmp_path):
+    # XLA's GPU runtime decides a branch on the host, waiting for the device to get there: a
+    # branch in each block would keep the host from dispatching the blocks ahead of the device
+    with sinkax.data_sink(
+        poisoned_at(-1),
+        indexed_map_dataset(16, 2),
+        8,
+        strategy="scan",
+        stop_if_nonfinite="loss",
+        progress=lambda steps, out: None,
+        progress_every=2,
+        save_graphs=tmp_path,
+    ) as sink:
+        sink(jnp.float32(0))
+        assert sink.stats.dispatches == 4 + 2  # the blocks, a copy of the first state, the join
+    hlo = {path.name: path.read_text() for path in tmp_path.glob("*.hlo.txt")}
+    blocks = [text for name, text in hlo.items() if "_scan_" in name]
+    joins = [text for name, text in hlo.items() if "_guarded join_" in name]
+    assert blocks and not any(" conditional(" in text for text in blocks)
+    assert len(joins) == 1 and joins[0].count(" conditional(") == 1
+
+
 def nan_at_step(k):
     """A step counting steps, not finite at step ``k`` (from 0); outputs the batch's samples."""
 

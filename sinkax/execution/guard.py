@@ -12,7 +12,11 @@ each step
 A ``"scan"`` window does not pay the select per step (:meth:`Guarded.window`): it runs the
 plain step over the window, checks the outputs of all its steps at once, and only if one was
 not finite runs the window again from its start with the guarded step (one device branch per
-window, on a copy of the window's first state). The other programs run the guarded step.
+window, on a copy of the window's first state). A window run in progress blocks does the same
+across its executables (:meth:`Guarded.redo`): the blocks run the plain step and only lower the
+flag, and the executable that joins their outputs holds the window's one branch -- a branch
+that XLA's GPU runtime decides on the host, waiting for the device, so once per window rather
+than once per block. The other programs run the guarded step.
 
 A window's host reads the final flag (one scalar, so it waits for the window); only after a
 stop does it count the steps that ran. Nothing of this runs unless asked for: an unguarded sink
@@ -34,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sinkax.execution.programs import StepFn
+from sinkax.execution.programs import StepFn, concat_program
 
 Watch = bool | str | Callable[[Any], Any] | None
 Window = Callable[..., tuple[Any, Any, jax.Array]]  # (state, chunk, i) -> (state, outs, end)
@@ -130,17 +134,40 @@ class Guarded:
         >>> float(state), flags.tolist(), int(end)
         (1.0, [True, False, False], 3)
         """
-        plain, checked = program_of(self.fn), program_of(self)
+        flagged, checked = self.flagging(program_of(self.fn)), program_of(self)
+
+        def run(carry: tuple[Any, jax.Array], chunk: Any, i: jax.Array) -> Any:
+            new, outs, end = flagged(carry, chunk, i)
+            return jax.lax.cond(new[1], lambda: (new, outs, end), lambda: checked(carry, chunk, i))
+
+        return run
+
+    def flagging(self, plain: Window) -> Window:
+        """``plain``, a window program of the plain step, with the guarded step's carry and
+        outputs but neither a select per step nor a branch: ``ok`` falls at a step that is not
+        finite, and the state goes on unguarded -- a window that holds one must be computed
+        again from its start with the guarded step (:meth:`window`, :meth:`redo`)."""
 
         def run(carry: tuple[Any, jax.Array], chunk: Any, i: jax.Array) -> Any:
             state, ok = carry
             new, outs, end = plain(state, chunk, i)
             flags = jax.vmap(lambda out: all_finite(self.watch(out)))(outs)
-            fine = ok & jnp.all(flags)
+            return (new, ok & jnp.all(flags)), (outs, flags), end
+
+        return run
+
+    def redo(self, checked: Window, steps: int) -> Callable[..., Any]:
+        """The end of a window of ``steps`` run in parts by :meth:`flagging` programs (progress
+        blocks): ``(carry, start, parts, chunk, i) -> (carry, (outs, flags), end)``, the
+        parts' outputs joined if every step was finite (``ok`` still up in the last part's
+        ``carry``), else the window computed again from its first carry ``start``, at ``i``, by
+        ``checked``, the guarded step's program -- one branch for the window, not one a part."""
+
+        def run(carry: Any, start: Any, parts: list[Any], chunk: Any, i: jax.Array) -> Any:
             return jax.lax.cond(
-                fine,
-                lambda: ((new, fine), (outs, flags), end),
-                lambda: checked(carry, chunk, i),
+                carry[1],
+                lambda: (carry, concat_program(parts), i + steps),
+                lambda: checked(start, chunk, i),
             )
 
         return run

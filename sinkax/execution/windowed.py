@@ -35,7 +35,7 @@ from sinkax.execution.programs import (
     with_last_output,
 )
 from sinkax.execution.rewrite import canonical_convs
-from sinkax.pytree import layout
+from sinkax.pytree import copy_tree, layout
 
 MAX_BLOCKS = 64  # reported blocks of a window at most: each is a dispatch, the join's inputs
 
@@ -167,7 +167,9 @@ class Scan(Windowed):
     with progress reports, a window of ``every`` steps or more in blocks of ``every`` steps
     (at most :data:`MAX_BLOCKS`), one executable each, dispatched back to back (each block's
     last output handed to ``submit``, see :mod:`sinkax.execution.progress`), then the steps
-    left, and their outputs joined by one more.
+    left, and their outputs joined by one more. Guarded (``stop_if_nonfinite``), such blocks
+    run the plain step and the join checks the window once, from a copy of its first state
+    (:meth:`~sinkax.execution.guard.Guarded.redo`).
 
     Where XLA:CPU compiles it, the step's convolutions are put in XLA:CPU's canonical layout
     first (see :mod:`sinkax.execution.rewrite`): inside a loop body XLA:CPU does not do that
@@ -193,6 +195,8 @@ class Scan(Windowed):
     def dispatches(self, steps: int) -> int:
         _, blocks, rest = self._blocks(steps)
         parts = blocks + bool(rest)
+        if blocks and isinstance(self._fn, Guarded):  # a copy of the window's start, the join
+            return parts + 2
         return parts + (parts > 1)
 
     def reported(self, steps: int) -> int:
@@ -204,32 +208,51 @@ class Scan(Windowed):
         how often it runs, that of the steps left (or ``None``), that of the join (or
         ``None``); all compiled now."""
         backend = backend_of(placement.of(chunk))
+        size, blocks, rest = self._blocks(steps)
+        # guarded (stop_if_nonfinite) blocks run the plain step: the join checks the window
+        redone = self._fn if isinstance(self._fn, Guarded) and blocks else None
 
         def window(n: int, last: bool = False) -> Any:
             def program() -> Any:
-                run = scan_window(self._fn, backend, n)
+                if redone:
+                    run = redone.flagging(scan_program(loop_body(redone.fn, backend), n))
+                else:
+                    run = scan_window(self._fn, backend, n)
                 return keeping_shardings(with_last_output(run) if last else run, state)
 
-            variant = "last output" if last else None
+            variant = ("last output" if last else None, "flagging" if redone else None)
             return self._compiler.get("scan", n, program, state, chunk, start, variant=variant)
 
-        size, blocks, rest = self._blocks(steps)
         block = window(size, last=True) if blocks else None
         left = window(rest) if rest else None
         outs = [block.out_info[1]] * blocks if blocks else []
         outs += [left.out_info[1]] if rest else []
         join = None
-        if len(outs) > 1:  # compiled for the outputs' layouts, placements included
-            where = tuple(x.sharding for x in jax.tree.leaves(outs))
+        where = tuple(x.sharding for x in jax.tree.leaves(outs))  # placements: not in the layout
+        if redone:  # the window again from its start, guarded, if a step was not finite
+            checked = scan_program(loop_body(redone, backend), steps)
+            join = self._compiler.get(
+                "guarded join",
+                steps,
+                lambda: keeping_shardings(redone.redo(checked, steps), state),
+                state,  # donated (the carry only: the parts' outputs join into new buffers)
+                state,
+                outs,
+                chunk,
+                start,
+                variant=where,
+            )
+        elif len(outs) > 1:  # compiled for the outputs' layouts
             join = self._compiler.get(
                 "concat", len(outs), lambda: concat_program, outs, donate=False, variant=where
             )
-        return block, size, blocks, left, join
+        return block, size, blocks, left, join, bool(redone)
 
     def launch(
         self, executables: Any, state: Any, chunk: Any, start: jax.Array, steps: int
     ) -> tuple[Any, Any, jax.Array]:
-        block, size, blocks, left, join = executables
+        block, size, blocks, left, join, redone = executables
+        first = copy_tree(state) if redone else None  # what the join may compute again from
         parts, end = [], start
         for _ in range(blocks):
             state, outs, end, last = block(state, chunk, end)
@@ -240,6 +263,8 @@ class Scan(Windowed):
         if left is not None:
             state, outs, end = left(state, chunk, end)
             parts.append(outs)
+        if redone:  # its end is the window's: the chunk is read until it is done
+            return join(state, first, parts, chunk, start)
         return state, join(parts) if join else parts[0], end
 
 
