@@ -443,6 +443,40 @@ def test_batches_the_sharding_cannot_split_fail_by_name_and_keep_the_state(
             assert result["3"] == 2 * 3 * 2 * processes
 
 
+GUARDED_OVER_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np, sinkax
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+data = [{"x": np.full((8, 3), i, np.float32)} for i in range(12)]
+def step(s, b):
+    m = jnp.mean(b["x"])  # an all-reduce over the 4 devices
+    return s + m, {"loss": jnp.where(m == 7, jnp.nan, s + m)}
+for every in (None, 2):  # one guarded window a call, or blocks of 2 steps and a join
+    options = {"progress": lambda steps, out: None, "progress_every": every} if every else {}
+    sharding = NamedSharding(mesh, P("data"))
+    with sinkax.data_sink(
+        step, data, 6, sharding=sharding, strategy="scan", stop_if_nonfinite="loss", **options
+    ) as sink:
+        state, _ = sink(jnp.float32(0))
+        state, second = sink(state)
+        print(every, float(state), len(second["loss"]), sink.step, sink.nonfinite.step_in_call)
+"""
+
+
+def test_a_guarded_sink_over_devices_stops_at_the_first_nonfinite_step_also_in_blocks():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = subprocess.run(
+        [sys.executable, "-c", GUARDED_OVER_DEVICES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # batch 7 (mean 7) is the second call's 2nd step: only batch 6 of that call is kept
+    assert done.stdout.split("\n")[:2] == ["None 21.0 1 7 1", "2 21.0 1 7 1"]
+
+
 CALLS_IN_FLIGHT = """
 import jax, jax.numpy as jnp, numpy as np, sinkax
 from jax.sharding import NamedSharding, PartitionSpec as P
