@@ -40,7 +40,7 @@ from conftest import (
 
 import sinkax
 from sinkax.backend import backend_of
-from sinkax.channel.packers import Unstacked
+from sinkax.channel.packers import Stacked, Unstacked
 from sinkax.channel.ring import DeviceRing
 from sinkax.channel.source import as_source
 from sinkax.config import SinkConfig
@@ -1206,6 +1206,46 @@ def test_one_step_calls_get_copies_that_xla_takes_as_they_are():
         big = copy["big"]  # 128 KB: aligned, so XLA:CPU aliases it rather than copy it again
         aliased = jax.device_put(big).unsafe_buffer_pointer() == big.ctypes.data
         assert aliased == default_backend().aliases_host_buffers  # a discrete device copies
+
+
+class Computing:
+    """What a compute on a chunk makes, ready once ``done`` is set: the device's time, held."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def block_until_ready(self):
+        assert self.done.wait(20.0)
+        return self
+
+
+def test_a_call_waiting_while_the_device_frees_no_slot_gets_a_whole_chunk(monkeypatch):
+    # the device still computes on both slots: the producer waits for it, not for data, so the
+    # waiting call is not ahead of the device and cutting the next chunk short would only
+    # fragment the chunks (each cut one is moved and padded on its own)
+    monkeypatch.setattr(sinkax.channel.ring, "CUT_AFTER_S", 0.1)
+    data = [{"x": np.full(2, i, np.float32)} for i in range(40)]
+    ring = DeviceRing(
+        as_source(data),
+        plan=lambda spec, position: itertools.repeat([(1, True)] * 4),
+        prefetch=1,
+        packer=Stacked(jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+    )
+    busy = [Computing(), Computing()]
+    try:
+        first = ring.get(timeout=10.0)  # the first chunk goes out after its first piece
+        ring.release(busy[0])
+        second = ring.get(timeout=10.0)
+        ring.release(busy[1])
+        threading.Timer(1.0, lambda: [c.done.set() for c in busy]).start()
+        third = ring.get(timeout=10.0)  # waits 1 s for the device, then for its data
+    finally:
+        for computing in busy:
+            computing.done.set()
+        ring.close(timeout=10.0)
+    # (the second is the rest of the first layout)
+    assert [len(chunk.pieces) for chunk in (first, second, third)] == [1, 3, 4]
+    assert np.asarray(third.data["x"])[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
 
 
 def test_step_strategy_needs_one_step_calls(batches):

@@ -14,9 +14,11 @@ one computed on.
 It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
 the source position and state after its last batch.
 
-A consumer that finds no chunk ready within :data:`CUT_AFTER_S` takes the complete pieces of the
-chunk being filled (a *cut*; the producer carries the batches it read past them over to its next
-chunk), so a slow batch never holds back a call whose batches were all read; its wait lasts
+A consumer that finds no chunk ready within :data:`CUT_AFTER_S` of the data's time (the
+producer's waits for the device to free a slot do not count: the device has work queued then)
+takes the complete pieces of the chunk being filled (a *cut*; the producer carries the batches it
+read past them over to its next chunk), so a slow batch never holds back a call whose batches
+were all read; its wait lasts
 until the producer has read no batch for ``timeout`` seconds, its waits for the device to free
 a slot not counted. The consumer side uses C queues and plain locks only, never an ``Event``
 or ``Condition``, whose Python code a Ctrl-C in the consumer can interrupt half done.
@@ -299,11 +301,16 @@ class DeviceRing:
         return chunk
 
     def _wait(self, timeout: float) -> Any:
-        start = time.monotonic()
-        try:  # a whole chunk, unless the producer is slow (a cut one is padded on the device)
-            return self._ready.get(timeout=min(CUT_AFTER_S, timeout))
-        except queue.Empty:  # from here on the producer sends complete pieces as they are
-            self._consumer_waiting = True
+        start, device = time.monotonic(), self._on_device.seconds()
+        while True:  # a whole chunk, unless the data is slow (a cut one is padded on the device)
+            # the producer's waits meanwhile for the device to free a slot do not count: the
+            # device has work queued then, and a cut would only fragment the chunks
+            data_s = time.monotonic() - start - (self._on_device.seconds() - device)
+            if data_s >= min(CUT_AFTER_S, timeout):
+                break
+            with contextlib.suppress(queue.Empty):
+                return self._ready.get(timeout=min(CUT_AFTER_S, timeout) - data_s)
+        self._consumer_waiting = True  # from here on the producer sends complete pieces
         cut = self._cut()
         if cut is not None:
             return cut
