@@ -8,20 +8,18 @@ strategy's ``feed`` asks) and queues the chunk, ahead of the consumer. A chunk h
 ``prefetch + 1`` slots from the moment the producer starts filling it until the compute on it
 has finished (the consumer hands the slot back with what that compute makes,
 :meth:`DeviceRing.release`, and the producer waits for it before it refills the slot, so the
-consumer never does): at most ``prefetch + 1`` chunks are on the device, ``prefetch`` ready and
-one computed on.
+consumer never does): at most ``prefetch + 1`` chunks on the device, ``prefetch`` ready.
 
 It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
 the source position and state after its last batch.
 
-A consumer that finds no chunk ready within :data:`CUT_AFTER_S` of the data's time (the
-producer's waits for the device to free a slot do not count: the device has work queued then)
-takes the complete pieces of the chunk being filled (a *cut*; the producer carries the batches it
-read past them over to its next chunk), so a slow batch never holds back a call whose batches
-were all read; its wait lasts
-until the producer has read no batch for ``timeout`` seconds, its waits for the device to free
-a slot not counted. The consumer side uses C queues and plain locks only, never an ``Event``
-or ``Condition``, whose Python code a Ctrl-C in the consumer can interrupt half done.
+A consumer that finds no chunk ready within :data:`CUT_AFTER_S` takes the complete pieces of the
+chunk being filled (a *cut*; the producer carries the batches it read past them over to its next
+chunk), so a slow batch never holds back a call whose batches were all read; its wait lasts
+until the producer has read no batch for ``timeout`` seconds. In both, the producer's waits for
+the device to free a slot do not count (the device has work queued then). The consumer side
+uses C queues and plain locks only, never an ``Event`` or ``Condition``, whose Python code a
+Ctrl-C in the consumer can interrupt half done.
 """
 
 from __future__ import annotations
@@ -302,17 +300,12 @@ class DeviceRing:
 
     def _wait(self, timeout: float) -> Any:
         start, device = time.monotonic(), self._on_device.seconds()
-        while True:  # a whole chunk, unless the data is slow (a cut one is padded on the device)
-            # the producer's waits meanwhile for the device to free a slot do not count: the
-            # device has work queued then, and a cut would only fragment the chunks
-            data_s = time.monotonic() - start - (self._on_device.seconds() - device)
-            if data_s >= min(CUT_AFTER_S, timeout):
-                break
+        cut_after = min(CUT_AFTER_S, timeout)  # of the data's time, not the device's: see above
+        while (data_s := time.monotonic() - start - self._on_device.seconds() + device) < cut_after:
             with contextlib.suppress(queue.Empty):
-                return self._ready.get(timeout=min(CUT_AFTER_S, timeout) - data_s)
+                return self._ready.get(timeout=cut_after - data_s)
         self._consumer_waiting = True  # from here on the producer sends complete pieces
-        cut = self._cut()
-        if cut is not None:
+        if (cut := self._cut()) is not None:
             return cut
         while True:  # the wait starts again whenever a batch arrives, or the device frees a slot
             left = max(self.last_progress, start) + timeout - time.monotonic()
