@@ -50,10 +50,10 @@ MODES = {
         "progress_every": 100,
     },
 }
-# reported, no target: both, with conditionals in CUDA graphs too. The guard's window is a
-# `lax.cond` (sinkax.execution.guard), whose branch XLA's GPU runtime picks on the host, once the
-# window before it is computed: with `progress=`, once per block. On CUDA in command buffers
-# the device picks it; elsewhere the option changes nothing
+# reported, no target: both, with conditionals in CUDA graphs too. A guarded window has one
+# `lax.cond` (sinkax.execution.guard; with `progress=`, in the join of its blocks), whose branch
+# XLA's GPU runtime picks on the host, once what comes before it is computed. On CUDA in command
+# buffers the device picks it; elsewhere the option changes nothing
 PROBES = {
     "both, conditionals in command buffers": {
         **MODES["both"],

@@ -192,10 +192,15 @@ class Scan(Windowed):
         size = every * -(-steps // (every * MAX_BLOCKS))
         return size, *divmod(steps, size)
 
+    def _redone(self, blocks: int) -> Guarded | None:
+        """The guarded step whose window of ``blocks`` reported blocks the join checks (and
+        runs again from a copy of its start, see :meth:`Guarded.redo`); ``None``: no such."""
+        return self._fn if blocks and isinstance(self._fn, Guarded) else None
+
     def dispatches(self, steps: int) -> int:
         _, blocks, rest = self._blocks(steps)
         parts = blocks + bool(rest)
-        if blocks and isinstance(self._fn, Guarded):  # a copy of the window's start, the join
+        if self._redone(blocks):  # a copy of the window's start, the join
             return parts + 2
         return parts + (parts > 1)
 
@@ -209,8 +214,7 @@ class Scan(Windowed):
         ``None``); all compiled now."""
         backend = backend_of(placement.of(chunk))
         size, blocks, rest = self._blocks(steps)
-        # guarded (stop_if_nonfinite) blocks run the plain step: the join checks the window
-        redone = self._fn if isinstance(self._fn, Guarded) and blocks else None
+        redone = self._redone(blocks)  # guarded blocks run the plain step, flagged
 
         def window(n: int, last: bool = False) -> Any:
             def program() -> Any:
