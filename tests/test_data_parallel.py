@@ -27,6 +27,25 @@ JOB = Path(__file__).with_name("data_parallel_job.py")
 LIMIT_S = 120
 
 
+def forced_devices(devices: int) -> dict[str, str]:
+    """The environment of a process whose CPU backend has ``devices`` devices."""
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def run_script(script: str, devices: int) -> list[str]:
+    """The lines ``script`` prints, run by a new Python over ``devices`` forced CPU devices;
+    it must exit cleanly."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=forced_devices(devices),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split("\n")
+
+
 @pytest.fixture
 def job(tmp_path):
     """``job(processes, devices, *args) -> [result of each process]``; kills leftovers."""
@@ -37,8 +56,7 @@ def job(tmp_path):
         out.mkdir()
         script = [sys.executable, str(JOB), "--out", str(out), *args]
         if processes == 1:
-            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-            command = script
+            env, command = forced_devices(devices), script
         else:
             env = dict(os.environ)
             launch = [sys.executable, "-m", "sinkax.launch", "-n", str(processes)]
@@ -426,8 +444,9 @@ def test_batches_the_sharding_cannot_split_fail_by_name_and_keep_the_state(
     if processes > 1:
         command = [sys.executable, "-m", "sinkax.launch", "-n", "2", "--devices", "1", "--"]
         command += [sys.executable, "-c", SPLITS, str(tmp_path)]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    done = subprocess.run(
+        command, env=forced_devices(devices), capture_output=True, text=True, timeout=LIMIT_S
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     for i in range(processes):
         result = json.loads((tmp_path / f"{i}.json").read_text())
@@ -464,17 +483,9 @@ for every in (None, 2):  # one guarded window a call, or blocks of 2 steps and a
 
 
 def test_a_guarded_sink_over_devices_stops_at_the_first_nonfinite_step_also_in_blocks():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    done = subprocess.run(
-        [sys.executable, "-c", GUARDED_OVER_DEVICES],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=LIMIT_S,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    lines = run_script(GUARDED_OVER_DEVICES, devices=4)
     # batch 7 (mean 7) is the second call's 2nd step: only batch 6 of that call is kept
-    assert done.stdout.split("\n")[:2] == ["None 21.0 1 7 1", "2 21.0 1 7 1"]
+    assert lines[:2] == ["None 21.0 1 7 1", "2 21.0 1 7 1"]
 
 
 CALLS_IN_FLIGHT = """
@@ -496,15 +507,6 @@ for size in (5, "auto"):
 def test_many_calls_in_flight_over_forced_cpu_devices_run_to_the_end():
     # XLA:CPU's forced devices deadlocked in an all-reduce (the process aborted after 40 s)
     # with many windows in flight; each window now waits for the last one's compute there
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    done = subprocess.run(
-        [sys.executable, "-c", CALLS_IN_FLIGHT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=LIMIT_S,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")
+    lines = run_script(CALLS_IN_FLIGHT, devices=4)
     assert lines[0] == "5 1000 24500.0"  # sum over 1000 steps of the batches' means (0..49)
     assert lines[1].startswith("auto ")
