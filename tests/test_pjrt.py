@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import init_state, needs_plugin, reference_run, regression_batches, train_step
 from jax.experimental.compilation_cache import compilation_cache
@@ -23,7 +24,7 @@ from sinkax import pjrt
 from sinkax.backend import backend_of, resolve_device
 from sinkax.execution.windowed import loop_body
 from sinkax.presets import Preset
-from sinkax.train import DatasetHelper, connect_network_with_dataset
+from sinkax.train import DatasetHelper, Model, connect_network_with_dataset
 
 BATCH_LEAVES = 2  # {"x", "y"}
 pytestmark = needs_plugin
@@ -144,6 +145,25 @@ def test_non_sink_mode_is_one_launch_and_one_batch_transfer_per_step(emu, counti
     assert counted.h2d == len(batches) * BATCH_LEAVES and counted.d2h == 0
 
 
+@pytest.mark.parametrize("sink_mode", [False, True])
+def test_model_train_adds_one_launch_and_one_read_back_per_run(emu, counting, sink_mode):
+    data = [{"image": np.full((4, 8), i, np.float32), "label": np.zeros(4, np.int32)}
+            for i in range(7)]  # fmt: skip
+    with jax.default_device(emu):
+        model = Model(lambda p, x: x @ p["w"], {"w": jnp.zeros((8, 2))}, optimizer=optax.sgd(0.1),
+                      sink_options={"strategy": "scan"})  # fmt: skip
+        jax.block_until_ready(model.state)
+        before = pjrt.interactions()
+        run = model.train(2, data, dataset_sink_mode=sink_mode, sink_size=-1)
+        jax.block_until_ready(model.state)
+    counted, stats = pjrt.interactions() - before, run.sink_stats
+    helper = (run.step, run.step * 2)  # the table's: a step a launch, its batch's leaves put
+    if sink_mode:
+        helper = (stats.calls + stats.chunks_padded, stats.chunks_transferred * 2 + 1)
+    # + a copy of the state (the sinks donate theirs), + its step counter read for the callbacks
+    assert (counted.launches, counted.h2d, counted.d2h) == (helper[0] + 1, helper[1], 1)
+
+
 @pytest.mark.parametrize("sink_size", [1, 4, 10])
 @pytest.mark.parametrize("strategy", ["scan", "loop"])
 def test_a_sink_is_one_launch_per_call_and_one_transfer_per_chunk(
@@ -206,6 +226,24 @@ def test_a_sink_holds_at_most_prefetch_plus_one_chunks_in_device_memory(emu, cou
     assert stats.chunks_transferred >= 30 and stats.peak_device_bytes == peak
     assert peak - live <= 2 * batch.nbytes + 4096  # two chunks, a state, outputs, positions
     assert emu.memory_stats()["bytes_in_use"] <= live + 64  # freed on close, but the state
+
+
+def test_a_sink_that_pads_short_chunks_holds_one_chunks_batches_more_at_most(emu, counting):
+    batch = np.zeros(1 << 14, np.float32)  # 64 KiB: 64 a slot (4 MiB, under max_chunk_bytes)
+    batches = [batch + i for i in range(100)]
+    state = on_device(jnp.float32(0), emu)
+    pjrt.memory(reset_peak=True)
+    live = emu.memory_stats()["bytes_in_use"]
+    with sinkax.data_sink(
+        lambda s, b: (s + b[0], s), batches, 2, device=emu, prefetch=1, strategy="scan"
+    ) as sink:
+        for _ in range(60):  # chunks moved short (the first goes after one call's batches)
+            state, _ = sink(state)
+        jax.block_until_ready(state)
+        stats = sink.stats
+    peak, chunk = emu.memory_stats()["peak_bytes_in_use"] - live, 64 * batch.nbytes
+    assert stats.chunks_padded >= 2 and stats.max_chunks_on_device == 2
+    assert peak <= 2 * chunk + 63 * batch.nbytes + 4096  # 2 slots, a short chunk's batches
 
 
 @pytest.mark.parametrize("sink_size", [-1, "auto"])

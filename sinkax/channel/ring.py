@@ -7,8 +7,8 @@ slot's staging buffers and put on the device, or copied and handed over unstacke
 strategy's ``feed`` asks) and queues the chunk, ahead of the consumer. A chunk holds one of the
 ``prefetch + 1`` slots from the moment the producer starts filling it until the compute on it
 has finished (the consumer hands the slot back with what that compute makes,
-:meth:`DeviceRing.release`, and the producer waits for it before it refills the slot, so the
-consumer never does): at most ``prefetch + 1`` chunks on the device, ``prefetch`` ready.
+:meth:`DeviceRing.release`, and the producer waits for it): at most ``prefetch + 1`` chunks on the
+device, ``prefetch`` ready, and while one moved short is padded there, its batches once more.
 
 It follows a plan (:mod:`sinkax.channel.plan`), reading nothing past it; each piece records
 the source position and state after its last batch.
