@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sinkax.errors import BatchSpecError
+from sinkax.errors import BatchSpecError, warn
 from sinkax.pytree import is_extended
 
 _NOT_ON_DEVICE = "USOMm"  # numpy kinds: str, bytes, object, datetime, timedelta
@@ -29,6 +29,13 @@ _FIX = (
     "or, for one-step calls on one device, ragged_last=True); a changed dtype needs an "
     "explicit cast in the pipeline."
 )
+
+
+def _off_host(leaf: Any) -> bool:
+    """Whether ``leaf`` is a jax array in some device's memory that is not the host's."""
+    return isinstance(leaf, jax.Array) and any(
+        device.platform != "cpu" for device in leaf.sharding.device_set
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,16 @@ class BatchSpec:
                     "`jax.random.key_data(key)` in the batch and `jax.random.wrap_key_data` it "
                     "in the step, or keep the key in the state and split it there."
                 )
+        off_host = [path for path, (_, leaf) in zip(paths, flat, strict=True) if _off_host(leaf)]
+        if off_host:
+            warn(
+                f"Batch leaf {off_host[0]} ({len(off_host)} of {len(paths)} leaves) is a jax "
+                "array on a device: a data sink stacks batches on the host and moves them in "
+                "chunks, so each such leaf is read back to the host first (a device-to-host "
+                "transfer per leaf and batch). Yield numpy arrays from the pipeline (no "
+                "jax.device_put or jnp in its maps); for data already on the device, run "
+                "lax.scan over it yourself."
+            )
         leaves = [np.asarray(leaf) for _, leaf in flat]
         if all(leaf.ndim and not leaf.shape[0] for leaf in leaves):
             raise BatchSpecError(

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +144,24 @@ def test_non_sink_mode_is_one_launch_and_one_batch_transfer_per_step(emu, counti
     counted = pjrt.interactions() - before
     assert counted.launches == len(batches)
     assert counted.h2d == len(batches) * BATCH_LEAVES and counted.d2h == 0
+
+
+def test_batches_already_on_the_device_are_read_back_with_a_warning(emu, counting):
+    batches = [{"x": on_device(np.full((3, 4), i, np.float32), emu)} for i in range(8)]
+    before = pjrt.interactions()
+    warned = pytest.warns(UserWarning, match=r"leaf \['x'\] \(1 of 1 leaves\) is a jax array")
+
+    def step(s, b):
+        return s + b["x"].sum(), b["x"][0, 0]
+
+    with warned, sinkax.data_sink(step, batches, 4, device=emu, calls=2) as sink:
+        state, first = sink(on_device(jnp.float32(0), emu))
+        state, second = sink(state)
+    assert np.concatenate([first, second]).tolist() == list(range(8))  # every batch, once
+    assert (pjrt.interactions() - before).d2h >= len(batches)  # what the warning names
+    with warnings.catch_warnings():  # on the CPU backend a jax array is host memory: no copy
+        warnings.simplefilter("error")
+        sinkax.data_sink(lambda b: b["x"], [{"x": jnp.zeros(2)}], calls=1)().block_until_ready()
 
 
 @pytest.mark.parametrize("sink_mode", [False, True])
