@@ -72,6 +72,15 @@ def test_a_scan_reports_every_kth_step_from_its_blocks():
     ]
 
 
+def test_each_report_counts_every_step_up_to_the_output_it_tells():
+    # chunks of 3 batches: a call of 7 steps runs windows of 3, 3 and 1, blocks of 2 in each
+    reports = reports_of(7, 2, strategy="scan", progress_every=2, max_chunk_bytes=12)
+    told = np.cumsum([steps for steps, _ in reports]).tolist()
+    loss = losses(14)
+    # a window's leftover step is told with the next block, whose output is of a later step
+    assert [out for _, out in reports] == [loss[n - 1] for n in told] and told[-1] == 14
+
+
 @pytest.mark.skipif(not default_backend().python_callbacks, reason="the step calls the host")
 def test_a_block_is_reported_while_the_next_runs():
     reported, release = threading.Event(), threading.Event()

@@ -7,9 +7,10 @@ steps (of a multiple of ``k`` where a window would hold more than
 their outputs joined by one more (:class:`~sinkax.execution.windowed.Scan`). Each block's last
 output is reported once the device has computed it, while the later blocks run: the device
 never waits for the host. The steps no block covers -- a window's last ``steps % k``, every step
-of another strategy (``"loop"``, ``"step"``, eager) -- are reported as the call returns, with
-its last output; over the devices of several ``jax.distributed`` processes, every step is (a
-block's outputs are not all in one process). So the reports add up to every step the sink ran.
+of another strategy (``"loop"``, ``"step"``, eager) -- are reported with the call's next block
+(so that a report's output is always its latest step's), or else as the call returns, with its
+last output; over the devices of several ``jax.distributed`` processes, every step is (a block's
+outputs are not all in one process). So the reports add up to every step the sink ran.
 
 Every report goes through one queue, in step order, told one at a time by the sink's reporting
 thread: a slow hook holds up nothing but the reports after it (beyond :data:`QUEUED` queued,
@@ -124,7 +125,12 @@ class Progress:
         window's step returns (a guarded step returns it with its flag)."""
         if not self.within_calls:
             return None
-        return self.every, lambda steps, last: self._submit(steps, output, last)
+        return self.every, lambda steps, last: self._block(steps, output, last)
+
+    def _block(self, steps: int, output: Callable[[Any], Any], last: Any) -> None:
+        """Hand over a block's report, with the call's steps before it that none covered."""
+        steps, self._unreported = steps + self._unreported, 0
+        self._submit(steps, output, last)
 
     def ran(self, steps: int, reported: int) -> None:
         """A window of ``steps`` ran, ``reported`` of them reported by its blocks."""
