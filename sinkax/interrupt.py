@@ -118,12 +118,19 @@ def release() -> None:
 
 
 def checkpoint() -> None:
-    """Nothing: entering a Python function is a point where CPython runs pending handlers.
+    """Run pending signal handlers: entering a Python function is a point where CPython does.
 
-    A guarded call ends with it, after the last thing that takes time (freeing the previous
-    state, or a batch), so that a Ctrl-C which came meanwhile is handled -- and held -- inside the
-    guard rather than in the caller after the return.
+    A guarded call ends with it, after everything else, so that a Ctrl-C which came meanwhile is
+    handled -- and held -- inside the guard rather than in the caller after the return. It
+    enters two functions: at such a point CPython runs the handlers first and then, if another
+    thread asked for the interpreter lock, waits for it; a signal arriving during that wait
+    is handled at the next point -- the second entry, not the caller's first check.
     """
+    _point()
+
+
+def _point() -> None:
+    """Nothing: entering it is a point where CPython runs pending signal handlers."""
 
 
 @contextlib.contextmanager

@@ -96,6 +96,13 @@ class Sink:
         stops before anything runs.
         """
         handoff = interrupt.Handoff.opened()  # passes Ctrl-C on until the call says otherwise
+        result = self._call(handoff, state)  # freeing its arrays may let go of the interpreter
+        interrupt.checkpoint()  # lock: a Ctrl-C meanwhile is handled here, not in the caller
+        self._running = False
+        handoff.state = None  # a store, no call: see interrupt.Handoff
+        return result
+
+    def _call(self, handoff: interrupt.Handoff, state: Any) -> Any:
         if self._running:  # a load and a store, no call between: no other thread runs in between
             raise RuntimeError(_BUSY)
         self._running = True
@@ -149,25 +156,20 @@ class Sink:
                 kept = cursor.call_steps
                 cursor.stop()
                 self.nonfinite = guard.NonFinite(cursor.epoch, cursor.step, kept, stopped)
-            interrupt.checkpoint()  # ... and a Ctrl-C that came meanwhile is handled here
         except BaseException as error:
-            # A plain store, no call: from here a second Ctrl-C is held, so that the cleanup
-            # runs whole and the sink is left usable; handoff.failed() passes it on after.
+            # A plain store, no call: a second Ctrl-C is held, the cleanup runs whole
             handoff.state = interrupt.DISPATCHED
             self._peers.fail(error)  # the other processes raise too, none waits for this one
             if isinstance(error, peers.PeerTimeoutError):  # the last dispatch may wait
                 cursor.abandon()  # for a process that is gone: close() must not wait for it
             cursor.failed(consumed=bool(parts))  # the next call rewinds what this one took
             self._running = False
-            handoff.failed()
+            handoff.failed()  # (which passes that Ctrl-C on: the sink is left usable)
             raise
-        # A Ctrl-C from here on is held (the guard is DISPATCHED) until the next call.
-        if stopped is None:
+        if stopped is None:  # (a Ctrl-C from here on is held: the guard is DISPATCHED)
             cursor.commit(piece, compiling=executor.compiler.seconds - compiled_s)
         if executor.progress:  # the steps no block report covered: queued to be told
             executor.progress.call_ended(outs, stopped)
-        self._running = False
-        handoff.state = None  # a store, no call: see interrupt.Handoff
         return (returned, outs) if state is not NO_STATE else outs
 
     def data_state(self) -> dict[str, Any]:
@@ -175,13 +177,12 @@ class Sink:
         and, once known, the ``"strategy"`` that ran (``"scan"`` or ``"loop"``).
 
         Pass it to :meth:`restore_data_state` (or ``data_sink(..., data_state=...)``) to continue
-        with exactly the next batch, none repeated and none skipped -- and, where ``"auto"``
-        would choose, with the same strategy, so that a resumed run computes what the
-        uninterrupted one did, bit for bit. With a dataset of known length it also holds
-        ``"epoch_length"``: a resume onto another length is refused. A ``sink_size="auto"``
-        sink records the steps per call it has reached and its granule (``"call_steps"``,
-        ``"call_granule"``): a resumed one continues at that size, in that granule. It is
-        :attr:`position`'s :meth:`~sinkax.channel.position.DataPosition.to_dict`.
+        with exactly the next batch, none repeated and none skipped -- and, where ``"auto"`` would
+        choose, with the same strategy, so that a resumed run computes what the uninterrupted one
+        did, bit for bit. With a dataset of known length it also holds ``"epoch_length"``: a resume
+        onto another length is refused. A ``sink_size="auto"`` sink records the steps per call it
+        reached and its granule (``"call_steps"``, ``"call_granule"``), where a resumed one
+        continues. It is :attr:`position`'s :meth:`~sinkax.channel.position.DataPosition.to_dict`.
         """
         return self.position.to_dict()
 
@@ -215,11 +216,9 @@ class Sink:
         self._executor.reselect()
 
     def lower(self, state: Any = NO_STATE) -> jax.stages.Lowered:
-        """The scan executable of one chunk of this sink, lowered (``.as_text()`` is StableHLO).
-
-        ``state`` may be concrete or abstract (``jax.ShapeDtypeStruct``); omit it for a
-        stateless sink. Waits for the first batch to learn the batch layout.
-        """
+        """The scan executable of one chunk of this sink, lowered (``.as_text()`` is StableHLO);
+        ``state`` concrete or abstract (``jax.ShapeDtypeStruct``), none for a stateless sink.
+        Waits for the first batch to learn the batch layout."""
         return self._executor.lower(state, self._cursor.first_spec(), self.steps_per_call)
 
     epoch = property(lambda self: self._cursor.epoch, doc="Epoch of the next batch (from 0).")

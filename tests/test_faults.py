@@ -5,6 +5,7 @@ import itertools
 import signal
 import threading
 import time
+import weakref
 
 import grain
 import jax
@@ -382,3 +383,28 @@ def test_a_call_holds_ctrl_c_even_if_the_handler_was_replaced_since_the_call_beg
     finally:
         handoff.state = None
         signal.signal(signal.SIGINT, original)
+
+
+def test_a_ctrl_c_while_a_call_frees_its_arrays_is_held_for_the_next_call(monkeypatch):
+    # Freeing a device array may let go of the interpreter lock; a Ctrl-C that arrives then is
+    # handled at the next check. Here it is handled as the window outputs a call joined are
+    # freed: that must happen inside the guard (held), not after it closed.
+    joined, pressed = sinkax.execution.executor.Executor.joined, []
+
+    def joined_then_ctrl_c_when_freed(self, parts):
+        if not pressed and len(parts) > 1:
+            pressed.append(weakref.finalize(parts[0], signal.raise_signal, signal.SIGINT))
+        return joined(self, parts)
+
+    monkeypatch.setattr(sinkax.execution.executor.Executor, "joined", joined_then_ctrl_c_when_freed)
+    dataset = indexed_map_dataset(100, BATCH, seed=None)
+    strategy, sink_size, max_chunk_bytes = CHUNKS["split-over-chunks"]  # windows: a join
+    with sinkax.data_sink(
+        collect_index, dataset, sink_size, strategy=strategy, max_chunk_bytes=max_chunk_bytes
+    ) as sink:
+        state, outs = sink(jnp.int32(0))  # the Ctrl-C comes as it returns: it returns whole
+        assert pressed and not pressed[0].alive and batch_numbers(outs) == list(range(9))
+        with pytest.raises(KeyboardInterrupt):
+            sink(state)  # held for the next call, which it stops before anything runs
+        state, outs = sink(state)
+        assert batch_numbers(outs) == list(range(9, 18)) and int(state) == 18
