@@ -53,6 +53,16 @@ def check_sink_size(sink_size: Any) -> int | str:
     return int(sink_size)
 
 
+def check_timed(sink_size: Any, call_seconds: Any) -> None:
+    """``ValueError`` if ``call_seconds`` (the target time of a call) is given without
+    ``sink_size="auto"`` (calls that size themselves to it)."""
+    if call_seconds is not None and sink_size != AUTO:
+        raise ValueError(
+            "call_seconds is the target time of a call of sink_size='auto'; got "
+            f"sink_size={sink_size!r}. Pass sink_size='auto', or leave call_seconds out."
+        )
+
+
 def _int_in(value: Any, least: float, most: float) -> bool:
     """Whether ``value`` is an int (not a bool) from ``least`` to ``most``."""
     return (
@@ -226,8 +236,8 @@ class SinkConfig:
         ragged_last: bool = False,
         stop_if_nonfinite: Watch = None,
         progress: progress_hook.Hook | None = None,
-        progress_every: int = 100,
-        call_seconds: float = 1.0,
+        progress_every: int | None = None,
+        call_seconds: float | None = None,
         pin_memory: bool = False,
     ) -> SinkConfig:
         """The configuration, or a ``ValueError``/``TypeError`` naming the bad option."""
@@ -235,6 +245,7 @@ class SinkConfig:
         _check_bounds(sink_size, calls, total_steps)
         watcher(stop_if_nonfinite)  # a TypeError naming the forms it takes
         progress_hook.check(progress, progress_every)
+        check_timed(sink_size, call_seconds)
         if sink_size == AUTO and jax.process_count() > 1:
             raise ValueError(
                 "sink_size='auto' sizes calls from this process's own timings, but every "
@@ -258,8 +269,10 @@ class SinkConfig:
             ragged_last=bool(ragged_last),
             stop_if_nonfinite=stop_if_nonfinite or None,
             progress=progress,
-            progress_every=int(progress_every),
-            call_seconds=check_call_seconds(call_seconds),
+            progress_every=int(cls.progress_every if progress_every is None else progress_every),
+            call_seconds=check_call_seconds(
+                cls.call_seconds if call_seconds is None else call_seconds
+            ),
             staging=staging(placed, pin_memory),
         )
 

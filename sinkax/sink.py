@@ -318,7 +318,7 @@ def data_sink(
       ragged_last: each epoch's last batch may have fewer rows (a dataset batched without
         ``drop_remainder``; its length must be known); needs ``sink_size=1`` and
         ``strategy="step"`` -- each batch its own executable -- as non-sink mode runs.
-      call_seconds: for ``sink_size="auto"``, the seconds a call should last (default 1).
+      call_seconds: the seconds a call should last (default 1); only for ``sink_size="auto"``.
       stop_if_nonfinite: ``True``, an output entry's name (``"loss"``) or a function of the
         output: a call stops at the first step whose watched output is not finite, keeping the
         state from before it, returns the steps before it, and leaves the data position at
@@ -326,8 +326,9 @@ def data_sink(
         Each call then waits for its compute to end (it reads one flag).
       progress: ``hook(steps, out)``, told of the steps done while a call runs: every
         ``progress_every`` steps (default 100) once the device computed them, from a thread of
-        the sink's, the rest when the call returns (see :mod:`sinkax.execution.progress`). An
-        error it raises comes from a later call, before it runs, or from :meth:`Sink.close`.
+        the sink's, the rest with a later block or as the call returns (see
+        :mod:`sinkax.execution.progress`). An error it raises comes from a later call, before it
+        runs, or from :meth:`Sink.close`.
       pin_memory: build chunks in the device's pinned (page-locked) host memory, which the
         device reads by DMA, not in numpy memory, which a GPU runtime first copies into pinned
         memory of its own (one device; ``prefetch + 1`` chunks never paged out; not for the

@@ -318,6 +318,7 @@ def test_a_steady_auto_sink_keeps_its_call_size_and_compiles_nothing_more(monkey
     ("option", "match"),
     [
         ({"call_seconds": 0}, "call_seconds must be"),
+        ({"call_seconds": 1.0, "sink_size": 4}, "call_seconds is the target time .*sink_size=4"),
         ({"calls": 3}, "calls= .* does not apply.*total_steps="),
         ({"total_steps": 0}, "total_steps must be an int >= 1"),
         (

@@ -1041,6 +1041,10 @@ def test_auto_sink_size_needs_a_sized_dataset_and_call_seconds_needs_auto():
         new_model().train(1, blobs(2), sink_size="auto", call_seconds=0)
     with pytest.raises(ValueError, match=r"sink_size must be .*'auto'"):
         new_model().train(1, blobs(2), sink_size="Auto")
+    with pytest.warns(UserWarning, match="sink_size is ignored when dataset_sink_mode=False"):
+        run = new_model().train(1, blobs(2), dataset_sink_mode=False, sink_size="auto",
+                                call_seconds=2.0)  # fmt: skip
+    assert run.step == len(blobs(2))  # one pass, a step a batch: nothing sized it
 
 
 def test_resume_needs_a_checkpoint_and_no_initial_epoch(tmp_path):

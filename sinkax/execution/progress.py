@@ -51,6 +51,8 @@ def check(hook: Any, every: Any) -> None:
             "progress must be a function hook(steps, out), told that `steps` more steps are "
             f"done and given the latest one's output, or None; got {type(hook).__name__}."
         )
+    if every is None:
+        return
     if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
         raise ValueError(f"progress_every must be an int >= 1 (steps per report), got {every!r}.")
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from sinkax import backend, context, distributed
-from sinkax.config import AUTO
+from sinkax.config import check_timed
 from sinkax.errors import warn
 from sinkax.pytree import committed, copy_tree
 from sinkax.train.callbacks import Callback, RunContext
@@ -225,11 +225,8 @@ class Model:
                 "sink_size is ignored when dataset_sink_mode=False: every epoch is one pass "
                 "over the dataset."
             )
-        elif call_seconds is not None and sink_size != AUTO:
-            raise ValueError(
-                "call_seconds is the target time of a call of sink_size='auto'; got "
-                f"sink_size={sink_size!r}. Pass sink_size='auto', or leave call_seconds out."
-            )
+        else:
+            check_timed(sink_size, call_seconds)
         timed = {} if call_seconds is None else {"call_seconds": call_seconds}
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
