@@ -495,8 +495,8 @@ mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 sharding = NamedSharding(mesh, P("data"))
 data = [{"x": np.full((8, 3), i, np.float32)} for i in range(50)]
 step = lambda s, b: (s + jnp.mean(b["x"]), s)  # an all-reduce over the 4 devices each step
-for size in (5, "auto"):
-    with sinkax.data_sink(step, data, size, sharding=sharding, call_seconds=0.01) as sink:
+for size, timed in ((5, {}), ("auto", {"call_seconds": 0.01})):
+    with sinkax.data_sink(step, data, size, sharding=sharding, **timed) as sink:
         state = jnp.float32(0)
         for _ in range(200):  # none waited for
             state, outs = sink(state)
