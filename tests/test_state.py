@@ -530,6 +530,30 @@ def test_resuming_a_loader_that_reshuffles_without_a_seed_is_refused_with_the_fi
     assert "Give what Sink.data_state() returned" not in str(refused.value)  # the user did
 
 
+def test_a_refused_restore_that_cannot_go_back_leaves_the_next_call_refused_too():
+    class Rotating:  # a new order every pass, no seed: pass k starts at batch k
+        passes = 0
+
+        def __iter__(self):
+            k, self.passes = self.passes, self.passes + 1
+            return ({"index": np.int32((i + k) % 10)} for i in range(10))
+
+    class Reversed:  # another dataset: a position saved over it does not fit Rotating
+        def __iter__(self):
+            return ({"index": np.int32(9 - i)} for i in range(10))
+
+    with sinkax.data_sink(lambda b: b["index"], Reversed(), 3) as sink:
+        seen(sink, 1)
+        elsewhere = sink.data_state()
+    with sinkax.data_sink(lambda b: b["index"], Rotating(), 3) as sink:
+        assert seen(sink, 1) == [0, 1, 2]
+        with pytest.raises(ValueError, match="Resuming replayed the first 3 batches"):
+            sink.restore_data_state(elsewhere)
+        # going back to batch 3 reads the epoch again, in another order: refused, not read on
+        with pytest.raises(ValueError, match="reshuffles without a seed"):
+            sink()
+
+
 def test_a_position_saved_over_a_loader_resumes_over_a_list_of_its_batches_only():
     data = [{"index": np.int32(i)} for i in range(10)]
 

@@ -20,7 +20,6 @@ committed position (a *resync*), so no batch is skipped and none repeated.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -66,12 +65,9 @@ class Cursor:
         if config.sink_size == AUTO:
             self.sizer = CallSizer(config.call_seconds, source.epoch_length, config.total_steps)
         sizes = self.sizer.granule if self.sizer else config.sink_size
+        one_process = config.sharding.is_fully_addressable
         self._plan = functools.partial(
-            plan,
-            sizes,
-            source.epoch_length,
-            config.max_chunk_bytes,
-            group=config.sharding.is_fully_addressable,  # one process
+            plan, sizes, source.epoch_length, config.max_chunk_bytes, group=one_process
         )
         self._calls = config.calls  # the calls the sink will make, if known
         self.prefetch, self.timeout = config.prefetch, config.timeout
@@ -305,12 +301,11 @@ class Cursor:
         return self._ring.close(self.timeout)
 
     def rewind(self, state: DataPosition, own: bool = False) -> None:
-        """Continue from the position ``state`` (see ``Sink.data_state``; ``own``: one this
-        cursor recorded); drops the prefetched chunks. ``ValueError`` if it does not fit the
-        dataset (the cursor then stays where it was); if interrupted, the next :meth:`resync`
-        finishes the rewind to the committed position."""
-        check_fits(self._source, state)  # before the producer stops: a one-shot
-        # iterator's producer cannot be restarted where it was
+        """Continue from the position ``state`` (see ``Sink.data_state``; ``own``: one this cursor
+        recorded), dropping the prefetched chunks; ``ValueError`` if it does not fit the dataset,
+        the cursor then back where it was -- or, if it cannot go back (an epoch read again differs)
+        or is interrupted, the next :meth:`resync` rewinds to the committed position."""
+        check_fits(self._source, state)  # first: a one-shot iterator's producer cannot restart
         self._resync = True  # until a producer runs from `_committed` again
         if not self._stop_ring():  # its source is in use: rewinding it now would corrupt it
             raise SinkTimeoutError(
@@ -322,11 +317,14 @@ class Cursor:
             if self.sizer:
                 self.sizer.restore(state)
         except ValueError:  # the cursor stays where it was, its producer running
-            if self._source.rereadable:  # (a one-shot iterator reads on as it is)
-                with contextlib.suppress(Exception):
+            try:  # (a one-shot iterator reads on as it is)
+                if self._source.rereadable:
                     self._source.set_state(dict(self._committed.source), own=True)
-            self._start_ring()
-            self._resync = False
+            except Exception:  # not back there (its epoch read again differs): the next
+                pass  # call's resync tries again, and raises why it cannot
+            else:
+                self._start_ring()
+                self._resync = False
             raise
         self._committed = DataPosition.of(self._source)
         self._start_ring()
