@@ -399,6 +399,25 @@ def test_close_stops_a_data_loaders_reader_threads():
     assert readers() - before == set()  # with the sink still referenced (it ends them)
 
 
+def test_close_joins_the_reader_threads_of_a_dataset_chained_after_them():
+    def readers():
+        return {t for t in threading.enumerate() if t.name.startswith("grain-prefetch")}
+
+    def slow(i):  # the readers are inside an element when the sink closes
+        time.sleep(0.02)
+        return {"index": np.int32(i)}
+
+    threads = grain.ReadOptions(num_threads=3, prefetch_buffer_size=8)
+    data = (
+        grain.MapDataset.range(64).map(slow).to_iter_dataset(threads).batch(2)
+    )  # pool: a parent's
+    before = readers()
+    with sinkax.data_sink(lambda b: b["index"], data, 2) as sink:
+        assert np.asarray(sink()).tolist() == [[0, 1], [2, 3]]
+        assert readers() - before  # (else this test proves nothing)
+    assert readers() - before == set()  # joined by close(), none left to end on its own
+
+
 def test_a_drifting_batch_names_the_leaf_and_the_fix(batches):
     ragged = [*batches[:5], {"x": batches[5]["x"][:3], "y": batches[5]["y"][:3]}]
     state = init_state()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import inspect
+import numbers
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import grain
 from grain.experimental import get_next_index
 
+from sinkax.channel.closing import close
 from sinkax.channel.replay import FIRST_BATCH, ReplayDiffersError, fingerprint
 from sinkax.errors import warn
 
@@ -61,6 +63,13 @@ class Source(Protocol):
         dataset's (a grain ``MapDataset``'s ``"first_batch"``)."""
 
     def close(self) -> None: ...
+
+
+def is_int(value: Any, least: int) -> bool:
+    """Whether ``value`` is an int (numpy's too, not a bool) of at least ``least``."""
+    if type(value) is int:  # the usual case, without the slower check of the abstract class
+        return value >= least
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
 
 
 def known_length(dataset: Any) -> int | None:
@@ -141,14 +150,14 @@ class MapDatasetSource:
 
     def check_state(self, state: Any) -> None:
         index = state.get("next_index") if isinstance(state, dict) else None
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        if not is_int(index, 0):
             raise ValueError(
                 f"a grain MapDataset's state is {{'next_index': int >= 0}}, got {state!r}."
             )
 
     def set_state(self, state: dict[str, Any], own: bool = False) -> None:
         self.check_state(state)
-        index, saved = state["next_index"], state.get(FIRST_BATCH)
+        index, saved = int(state["next_index"]), state.get(FIRST_BATCH)
         self.close()
         self._iterator = iter(self._iterable)
         self._iterator.set_state({"next_index": index})
@@ -171,18 +180,6 @@ class MapDatasetSource:
 
     def close(self) -> None:
         close(self._iterator)
-
-
-def close(iterator: Any) -> None:
-    """Close ``iterator`` and wait for the threads it reads with, so that none outlives the
-    sink: grain's ``close()`` shuts its prefetch pool down without waiting, and a grain
-    ``DataLoader``'s iterator has no ``close()``, only the dataset iterator it wraps."""
-    if isinstance(iterator, grain.DataLoaderIterator):
-        iterator = getattr(iterator, "_iterator", iterator)  # (grain 0.2: no public way)
-    getattr(iterator, "close", lambda: None)()
-    executor = getattr(iterator, "_executor", None)
-    if executor is not None:
-        executor.shutdown(wait=True)
 
 
 _ABC_MODULES = ("_collections_abc", "collections.abc", "typing")  # their __iter__: `return self`
@@ -278,9 +275,7 @@ class IterableSource:
 
     def check_state(self, state: Any) -> None:
         position = [state.get(key) for key in ("epoch", "step")] if isinstance(state, dict) else []
-        if len(position) != 2 or any(
-            isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in position
-        ):
+        if len(position) != 2 or not all(is_int(value, 0) for value in position):
             raise ValueError(
                 "an iterable's state is {'epoch': int >= 0, 'step': int >= 0, ...}, got "
                 f"{state!r}."
@@ -288,7 +283,7 @@ class IterableSource:
 
     def set_state(self, state: dict[str, Any], own: bool = False) -> None:
         self.check_state(state)
-        epoch, step = state["epoch"], state["step"]
+        epoch, step = int(state["epoch"]), int(state["step"])
         self._restart_epoch(epoch)
         saved = state.get("iterator")
         if "iterator_base64" in state:
