@@ -3,6 +3,7 @@
 import functools
 
 import equinox as eqx
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -528,6 +529,22 @@ def test_resuming_a_loader_that_reshuffles_without_a_seed_is_refused_with_the_fi
         sinkax.data_sink(lambda b: b["index"], Loader(seeded=False), 3, data_state=saved)
     assert "grain MapDataset" in str(refused.value)
     assert "Give what Sink.data_state() returned" not in str(refused.value)  # the user did
+
+
+def test_a_position_of_numpy_ints_resumes_as_one_of_ints():
+    def numpy_ints(tree):  # what a position read back from np.savez/np.load holds, say
+        if isinstance(tree, dict):
+            return {k: numpy_ints(v) for k, v in tree.items()}
+        return np.int64(tree) if isinstance(tree, int) else tree
+
+    data = [{"index": np.int32(i)} for i in range(10)]
+    for dataset in (data, grain.MapDataset.source(data)):  # a re-iterable's, grain's
+        with sinkax.data_sink(lambda b: b["index"], dataset, 3) as sink:
+            seen(sink, 1)
+            saved = numpy_ints(sink.data_state())
+        assert isinstance(saved["source"][next(iter(saved["source"]))], np.int64)
+        with sinkax.data_sink(lambda b: b["index"], dataset, 3, data_state=saved) as sink:
+            assert seen(sink, 1) == [3, 4, 5]
 
 
 def test_a_refused_restore_that_cannot_go_back_leaves_the_next_call_refused_too():

@@ -24,24 +24,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from sinkax.channel.replay import ReplayDiffersError
-from sinkax.channel.source import Position, Source
+from sinkax.channel.source import Position, Source, is_int
 
 RECORDED = ("scan", "loop")  # the choices of "auto", which a data position records
 
 _REQUIRED = ("epoch", "step", "source")
 _FIELDS = (*_REQUIRED, "epoch_length", "strategy", "call_steps", "call_granule")
 _TUPLE = "__tuple__"  # a tuple in a source's state, as JSON keeps it
-
-
-def _is_int(value: Any, least: int) -> bool:
-    if type(value) is int:  # the usual case, without the slower check of the abstract class
-        return value >= least
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
 
 
 def _field_error(field: str, allowed: str, value: Any) -> ValueError:
@@ -69,14 +62,14 @@ class DataPosition:
     call_granule: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.epoch, 0):
+        if not is_int(self.epoch, 0):
             raise _field_error("epoch", "an int >= 0 (the epoch of the next batch)", self.epoch)
-        if not _is_int(self.step, 0):
+        if not is_int(self.step, 0):
             allowed = "an int >= 0 (the step within the epoch of the next batch)"
             raise _field_error("step", allowed, self.step)
         if type(self.source) is not dict and not isinstance(self.source, Mapping):
             raise _field_error("source", "a dict (the dataset's own state)", self.source)
-        if self.epoch_length is not None and not _is_int(self.epoch_length, 1):
+        if self.epoch_length is not None and not is_int(self.epoch_length, 1):
             allowed = "an int >= 1 (batches per epoch) or absent"
             raise _field_error("epoch_length", allowed, self.epoch_length)
         if self.epoch_length is not None and self.step >= self.epoch_length:
@@ -85,11 +78,11 @@ class DataPosition:
         if self.strategy is not None and self.strategy not in RECORDED:
             allowed = f"one of {RECORDED} (what Sink.data_state() records) or absent"
             raise _field_error("strategy", allowed, self.strategy)
-        if self.call_steps is not None and not _is_int(self.call_steps, 1):
+        if self.call_steps is not None and not is_int(self.call_steps, 1):
             allowed = "an int >= 1 (the steps per call a sink_size='auto' sink reached) or absent"
             raise _field_error("call_steps", allowed, self.call_steps)
         granule = self.call_granule
-        if granule is not None and not (_is_int(granule, 1) and granule & (granule - 1) == 0):
+        if granule is not None and not (is_int(granule, 1) and granule & (granule - 1) == 0):
             allowed = "a power of two (the granule a sink_size='auto' sink planned in) or absent"
             raise _field_error("call_granule", allowed, granule)
 
