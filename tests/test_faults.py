@@ -244,6 +244,20 @@ def test_resuming_onto_a_dataset_of_another_epoch_length_is_refused(kind):
         assert batch_numbers(outs) == [0, 1, 2, 3, 4]  # the sink stayed where it was
 
 
+def test_resuming_a_sized_datasets_position_onto_one_without_len_names_the_len():
+    batches = [{"index": np.arange(2 * i, 2 * i + 2)} for i in range(6)]
+    with sinkax.data_sink(collect_index, batches, 2) as sink:
+        sink(jnp.int32(0))
+        saved = sink.data_state()
+
+    class Unsized:  # the same 6 batches a pass, without a len()
+        def __iter__(self):
+            return iter(batches)
+
+    with pytest.raises(ValueError, match=r"of 6 batches per epoch, and this one has no len\(\)"):
+        sinkax.data_sink(collect_index, Unsized(), 2, data_state=saved)
+
+
 def test_a_call_longer_than_memory_allows_is_planned_lazily():
     from sinkax.channel.plan import plan_chunks
 

@@ -169,6 +169,13 @@ def check_fits(source: Source, data: DataPosition) -> None:
             f"This data_state does not fit the dataset: {error} Give what Sink.data_state() "
             "returned for a sink over the same dataset."
         ) from None
+    if data.epoch_length is not None and source.epoch_length is None:
+        raise ValueError(
+            f"This data_state was saved over a dataset of {data.epoch_length} batches per "
+            "epoch, and this one has no len(): whether its epochs are as long cannot be "
+            "checked, and resuming on other ones would run partial epochs. Give it its len() "
+            "(a __len__, or the grain MapDataset before to_iter_dataset), or start without it."
+        )
     if data.epoch_length is not None and data.epoch_length != source.epoch_length:
         raise _length_error(data, f"{data.epoch_length} batches per epoch", source.epoch_length)
     here = source.position
