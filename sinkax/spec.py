@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sinkax.errors import BatchSpecError, warn
@@ -29,6 +30,12 @@ _FIX = (
     "or, for one-step calls on one device, ragged_last=True); a changed dtype needs an "
     "explicit cast in the pipeline."
 )
+
+
+def _record(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is a raw or structured (record) one, of numpy kind ``"V"`` as JAX's
+    own extra number types (bfloat16, float8, int4) are, but none of them."""
+    return dtype.kind == "V" and not jnp.issubdtype(dtype, jnp.number)
 
 
 def _off_host(leaf: Any) -> bool:
@@ -84,7 +91,7 @@ class BatchSpec:
                 "the batching), or batch with drop_remainder=True."
             )
         for path, leaf in zip(paths, leaves, strict=True):
-            if leaf.dtype.kind in _NOT_ON_DEVICE:
+            if leaf.dtype.kind in _NOT_ON_DEVICE or _record(leaf.dtype):
                 raise BatchSpecError(
                     f"Batch leaf {path} has dtype {leaf.dtype}, which a device array cannot hold "
                     "(numbers and booleans only). Drop it from the batch or encode it as numbers "

@@ -458,6 +458,17 @@ def test_a_leaf_no_device_array_can_hold_names_the_leaf_and_the_fix(batches, sin
         sink(init_state())
 
 
+def test_a_record_dtype_leaf_is_refused_by_name_and_jaxs_own_extra_dtypes_are_not(batches):
+    record = np.dtype([("a", np.float32), ("b", np.int32)])  # numpy kind "V", as bfloat16's
+    named = [{**b, "name": np.zeros(8, record)} for b in batches]
+    refused = pytest.raises(sinkax.BatchSpecError, match=r"leaf \['name'\].*numbers and booleans")
+    with sinkax.data_sink(lambda b: b["x"].sum(), named) as sink, refused:
+        sink()
+    halves = [{"x": b["x"].astype(jnp.bfloat16)} for b in batches]
+    with sinkax.data_sink(lambda b: b["x"].sum(), halves) as sink:
+        assert sink().dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize(
     "dataset, items", [({"x": np.ones((4, 2))}, "keys"), ("abcd", "characters")]
 )
