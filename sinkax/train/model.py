@@ -228,15 +228,17 @@ class Model:
         else:
             check_timed(sink_size, call_seconds)
         timed = {} if call_seconds is None else {"call_seconds": call_seconds}
-        if isinstance(callbacks, Callback):
+        if isinstance(callbacks, Callback | str):  # (a str's characters are no callbacks)
             callbacks = [callbacks]
         callbacks = list(callbacks or [])
         for callback in callbacks:
             if not isinstance(callback, Callback):
+                a_class = isinstance(callback, type) and issubclass(callback, Callback)
                 raise TypeError(
-                    f"callbacks must be Callback instances, got {callback!r:.80}: pass "
-                    "LossMonitor(), not the class LossMonitor."
-                )
+                    f"callbacks must be Callback instances, got {callback!r:.80}: "
+                    + (f"pass {callback.__name__}(), not the class." if a_class else "subclass "
+                       "sinkax.train.Callback, overriding the hooks you need (on_step_end...).")
+                )  # fmt: skip
         wanted = {key: v for callback in callbacks for key, v in callback.sink_options().items()}
         helper = DatasetHelper(
             train_dataset,
