@@ -241,6 +241,8 @@ def test_a_directory_of_other_orbax_checkpoints_is_named_as_such(tmp_path):
         manager.save(5, args=ocp.args.StandardSave({"w": np.zeros(2)}))
     with pytest.raises(ValueError, match=r"step 5\) holds no checkpoint of sinkax's ModelCheck"):
         new_model().restore(tmp_path)
+    with pytest.raises(ValueError, match=r"step 5\) holds no checkpoint of sinkax's ModelCheck"):
+        new_model().train(1, blobs(2), [ModelCheckpoint(tmp_path)])  # not: "resume from them"
 
 
 def test_an_eval_only_model_restores_a_training_checkpoints_params(tmp_path):

@@ -144,6 +144,7 @@ class ModelCheckpoint(Callback):
         self._close()  # the directory read afresh: another run may have saved since
         latest = self.latest_step()
         if latest is not None and latest > run.step:
+            self._meta(latest)  # another tool's is named as such
             raise ValueError(
                 f"{self.directory} holds checkpoints up to step {latest}, beyond this run's "
                 f"start (step {run.step}): they belong to another run. Resume from them with "
@@ -204,6 +205,23 @@ class ModelCheckpoint(Callback):
             self._open().wait_until_finished()
         self._saved = run.step
 
+    def _meta(self, step: int) -> dict[str, Any]:
+        """What checkpoint ``step`` says of itself; ``ValueError`` if it is none of a
+        ModelCheckpoint's (another tool's orbax checkpoint)."""
+        ocp = checks.optional("orbax.checkpoint", "ModelCheckpoint")
+        try:
+            read = self._open().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            missing = "layout" if "layout" not in read["meta"] else None
+        except KeyError as error:
+            missing = error.args[0]
+        if missing is not None:
+            raise ValueError(
+                f"{self.directory} (step {step}) holds no checkpoint of sinkax's "
+                f"ModelCheckpoint (missing: {missing}): resume from a directory a "
+                "ModelCheckpoint saved into, or save into an empty one."
+            )
+        return read["meta"]
+
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """``(state, meta)`` of checkpoint ``step`` (default: the latest), shaped like ``like``.
 
@@ -218,17 +236,8 @@ class ModelCheckpoint(Callback):
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.directory} to resume from.")
         try:
-            try:
-                meta = self._open().restore(
-                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-                )["meta"]
-                saved_layout = meta["layout"]
-            except KeyError as error:
-                raise ValueError(
-                    f"{self.directory} (step {step}) holds no checkpoint of sinkax's "
-                    f"ModelCheckpoint (missing: {error.args[0]}): resume from a directory a "
-                    "ModelCheckpoint saved into, or save into an empty one."
-                ) from None
+            meta = self._meta(step)
+            saved_layout = meta["layout"]
             eval_only = isinstance(like, TrainState) and like.opt_state is None
             if eval_only:  # it takes neither the optimizer state nor, if it has none, a key
                 left_out = {"opt_state", *(["rng"] if like.rng is None else [])}
