@@ -1020,7 +1020,12 @@ def test_the_strategy_is_recorded_with_the_data_position(batches, monkeypatch):
     monkeypatch.setenv("SINKAX_STRATEGY", "loop")
     with sinkax.data_sink(train_step, batches, 12) as pinned:
         assert pinned.stats.strategy == "loop"
+        state, _ = pinned(init_state())  # a recorded strategy comes before the variable's,
+        pinned.restore_data_state({**saved, "strategy": "scan"})  # a call ran or not
+        pinned(state)
+        assert pinned.stats.strategy == "scan" and pinned.data_state()["strategy"] == "scan"
     with sinkax.data_sink(train_step, batches, 12, strategy="scan") as explicit:
+        explicit.restore_data_state({**saved, "strategy": "loop"})  # strategy= comes first
         assert explicit.stats.strategy == "scan"
     monkeypatch.setenv("SINKAX_STRATEGY", "fast")
     with pytest.raises(ValueError, match="SINKAX_STRATEGY='fast'"):

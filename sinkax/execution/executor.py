@@ -61,17 +61,16 @@ class Executor:
     ):
         self.fn, self.jit, self._sharding = fn, config.jit, config.sharding
         self._max_chunk_bytes = config.max_chunk_bytes
-        self.chosen = strategies.pinned(  # what "auto" would measure
-            strategies.resolve(
-                config.strategy,
-                jit=config.jit,
-                steps_per_call=steps_per_call or config.sink_size,
-                backend=backend_of(config.sharding),
-                devices=placement.devices(config.sharding),
-                processes=jax.process_count(),
-            ),
-            recorded,
+        resolved = strategies.resolve(
+            config.strategy,
+            jit=config.jit,
+            steps_per_call=steps_per_call or config.sink_size,
+            backend=backend_of(config.sharding),
+            devices=placement.devices(config.sharding),
+            processes=jax.process_count(),
         )
+        self._measures = resolved == "auto"  # not given: a recorded position's comes first
+        self.chosen = strategies.pinned(resolved, recorded)  # what "auto" would measure
         self.ragged_last = config.ragged_last
         if self.ragged_last and self.feed != "unstacked":
             raise ValueError(
@@ -147,6 +146,15 @@ class Executor:
             "strategy_timings": {k: v for k, v in timings.items() if math.isfinite(v)},
         }
 
+    def _make(self) -> Any:
+        """The strategy :attr:`chosen` names, over the step as the first call made it."""
+        guarded = {"output": lambda out: out[0]} if self._watch is not None else {}
+        report = self.progress.report(**guarded) if self.progress else None
+        alike = not self.ragged_last  # else the step's executable is looked up per batch
+        return strategies.make(
+            self.chosen, self._program, self.compiler, batches_alike=alike, report=report
+        )
+
     @property
     def atomic(self) -> bool:
         """Whether one window is one dispatch, compiled before it donates the state."""
@@ -167,12 +175,14 @@ class Executor:
 
     def pin(self, recorded: str | None) -> None:
         """Run what a restored data position ``recorded``, where ``"auto"`` would choose."""
-        if recorded is None:
+        if recorded is None or not self._measures:  # strategy= given: it stays
             return
         if isinstance(self._strategy, Auto):
             self._strategy.pin(recorded)
-        elif self._strategy is None and self.chosen == "auto":
+        elif recorded != self.chosen:  # (or SINKAX_STRATEGY's: a recorded one comes first)
             self.chosen = recorded
+            if self._strategy is not None:
+                self._strategy = self._make()
 
     @property
     def _returned(self) -> Any:
@@ -203,12 +213,8 @@ class Executor:
             if self._watch is not None:  # its executables are not the plain step's
                 fn = Guarded(fn, self._watch)
                 self.compiler.specialise(("stop_if_nonfinite", self._watch))
-            guarded = {"output": lambda out: out[0]} if self._watch is not None else {}
-            report = self.progress.report(**guarded) if self.progress else None
-            alike = not self.ragged_last  # else the step's executable is looked up per batch
-            self._strategy = strategies.make(
-                self.chosen, fn, self.compiler, batches_alike=alike, report=report
-            )
+            self._program = fn
+            self._strategy = self._make()
             if self._reselect:
                 self._strategy.reselect()
             self._stateful = stateful  # last: a first call interrupted before makes it all again
