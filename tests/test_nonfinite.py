@@ -154,6 +154,24 @@ def test_while_every_step_is_finite_a_guarded_sink_computes_what_a_plain_one_doe
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("options", [{}, PROGRESS], ids=["plain", "progress"])
+@pytest.mark.parametrize("out", [None, ()], ids=["None", "empty"])
+def test_a_guarded_step_that_outputs_nothing_runs_in_every_strategy(options, out):
+    batches = regression_batches(6)
+    step = lambda state, batch: (regression_step(state, batch)[0], out)  # noqa: E731
+    reference = init_state()
+    for batch in batches:
+        reference = regression_step(reference, batch)[0]
+    for strategy in ("scan", "loop"):
+        with sinkax.data_sink(
+            step, batches, 6, strategy=strategy, stop_if_nonfinite=True, **options
+        ) as sink:  # nothing to watch: every step is kept
+            state, outs = sink(init_state())
+        assert outs == out and sink.nonfinite is None and sink.step == 0
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
 def test_without_the_option_the_nonfinite_step_is_kept():
     dataset = indexed_map_dataset(16, 2)
     batches = samples_of(dataset, 8)

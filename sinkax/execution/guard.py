@@ -134,7 +134,7 @@ class Guarded:
         >>> float(state), flags.tolist(), int(end)
         (1.0, [True, False, False], 3)
         """
-        flagged, checked = self.flagging(program_of(self.fn)), program_of(self)
+        flagged, checked = self.flagging(program_of), program_of(self)
 
         def run(carry: tuple[Any, jax.Array], chunk: Any, i: jax.Array) -> Any:
             new, outs, end = flagged(carry, chunk, i)
@@ -142,16 +142,22 @@ class Guarded:
 
         return run
 
-    def flagging(self, plain: Window) -> Window:
-        """``plain``, a window program of the plain step, with the guarded step's carry and
-        outputs but neither a select per step nor a branch: ``ok`` falls at a step that is not
-        finite, and the state goes on unguarded -- a window that holds one must be computed
-        again from its start with the guarded step (:meth:`window`, :meth:`redo`)."""
+    def flagging(self, program_of: Callable[[StepFn], Window]) -> Window:
+        """The window program ``program_of(step)`` makes of the plain step, each step's output
+        flagged, with the guarded step's carry and outputs but neither a select per step nor a
+        branch: ``ok`` falls at a step that is not finite, and the state goes on unguarded -- a
+        window that holds one must be computed again from its start with the guarded step
+        (:meth:`window`, :meth:`redo`)."""
+
+        def flagged(state: Any, batch: Any) -> tuple[Any, Any]:
+            new, out = self.fn(state, batch)
+            return new, (out, all_finite(self.watch(out)))
+
+        plain = program_of(flagged)
 
         def run(carry: tuple[Any, jax.Array], chunk: Any, i: jax.Array) -> Any:
             state, ok = carry
-            new, outs, end = plain(state, chunk, i)
-            flags = jax.vmap(lambda out: all_finite(self.watch(out)))(outs)
+            new, (outs, flags), end = plain(state, chunk, i)
             return (new, ok & jnp.all(flags)), (outs, flags), end
 
         return run

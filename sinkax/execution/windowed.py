@@ -219,7 +219,7 @@ class Scan(Windowed):
         def window(n: int, last: bool = False) -> Any:
             def program() -> Any:
                 if redone:
-                    run = redone.flagging(scan_program(loop_body(redone.fn, backend), n))
+                    run = redone.flagging(lambda step: scan_program(loop_body(step, backend), n))
                 else:
                     run = scan_window(self._fn, backend, n)
                 return keeping_shardings(with_last_output(run) if last else run, state)
