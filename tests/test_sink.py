@@ -19,6 +19,7 @@ import weakref
 
 import grain
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -397,6 +398,22 @@ def test_close_stops_a_data_loaders_reader_threads():
     while readers() - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert readers() - before == set()  # with the sink still referenced (it ends them)
+
+
+@pytest.mark.skipif(not default_backend().python_callbacks, reason="the step calls the host")
+def test_a_step_with_an_ordered_callback_runs_in_every_strategy():
+    def step(total, batch):  # an ordered effect: jax gives its programs no out_info
+        doubled = jax.experimental.io_callback(
+            lambda x: np.float32(2 * x), jax.ShapeDtypeStruct((), jnp.float32), batch["x"],
+            ordered=True,
+        )  # fmt: skip
+        return total + doubled, doubled
+
+    data = [{"x": np.float32(i)} for i in range(5)]
+    for strategy in ("scan", "loop", "auto"):
+        with sinkax.data_sink(step, data, 3, strategy=strategy) as sink:
+            total, outs = sink(jnp.float32(0))
+        assert float(total) == 6.0 and np.asarray(outs).tolist() == [0.0, 2.0, 4.0], strategy
 
 
 def test_close_joins_the_reader_threads_of_a_dataset_chained_after_them():

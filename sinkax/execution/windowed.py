@@ -229,6 +229,8 @@ class Scan(Windowed):
 
         block = window(size, last=True) if blocks else None
         left = window(rest) if rest else None
+        if blocks + bool(rest) == 1 and not redone:  # no join (nor out_info, which jax has
+            return block, size, blocks, left, None, False  # not for ordered effects' programs)
         outs = [block.out_info[1]] * blocks if blocks else []
         outs += [left.out_info[1]] if rest else []
         join = None
