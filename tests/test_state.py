@@ -149,6 +149,24 @@ def test_a_learning_rate_set_in_place_on_the_returned_state_is_used(
     assert float(got[1].hyperparams["learning_rate"]) == 1.0
 
 
+def test_a_python_number_in_the_state_stays_weakly_typed_as_under_jit(sink_options):
+    def sgd(state, batch):  # bfloat16 params, a Python-float learning rate
+        params = state["w"] - state["lr"] * batch.astype(jnp.bfloat16)
+        return {"w": params, "lr": state["lr"] * 1.0}, params.sum()
+
+    data, sink_size = ones(), sink_size_for(sink_options)
+    step, expected = jax.jit(sgd), {"w": jnp.ones(3, jnp.bfloat16), "lr": 0.5}
+    for batch in data[: 2 * sink_size]:
+        expected, _ = step(expected, batch)
+    state = {"w": jnp.ones(3, jnp.bfloat16), "lr": 0.5}
+    with sinkax.data_sink(sgd, data, sink_size, **sink_options) as sink:
+        for _ in range(2):
+            state, outs = sink(state)
+    assert state["w"].dtype == outs.dtype == jnp.bfloat16  # lr promoted nothing
+    assert jax.typeof(state["lr"]).weak_type == jax.typeof(expected["lr"]).weak_type
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(expected["w"]))
+
+
 def test_a_typed_key_in_a_batch_is_refused_with_the_fix():
     keys = [jax.random.key(i) for i in range(4)]
     with (

@@ -267,9 +267,9 @@ class Executor:
             ("carry", layout((state, batch))), lambda: carry_dtypes(self._step, state, batch)
         )
         leaves, treedef = jax.tree.flatten(state)
-        casts = [  # a weakly typed leaf would come back strongly typed: one layout from the start
-            x.astype(d) if jax.typeof(x).weak_type or x.dtype != d else x
-            for x, d in zip(leaves, dtypes, strict=True)
+        casts = [  # one carry type from the start: a Python number's weak one where kept
+            x if (jax.typeof(x).dtype, jax.typeof(x).weak_type) == typed else x.astype(typed[0])
+            for x, typed in zip(leaves, dtypes, strict=True)
         ]
         return jax.tree.unflatten(treedef, casts)
 

@@ -116,8 +116,9 @@ def with_static(fn: StepFn, static: Static) -> StepFn:
     return step
 
 
-def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[Any]:
-    """The dtype of each leaf of ``state`` with which ``fn`` returns the state as it takes it.
+def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[tuple[Any, bool]]:
+    """The dtype of each leaf of ``state`` with which ``fn`` returns the state as it takes it,
+    and whether weakly typed (a Python number's type, which ``jax.jit`` keeps: ``s + 1.0``).
 
     The rule of ``lax.scan``'s carry: a weakly typed leaf (from a Python number) takes the
     dtype ``fn`` gives it; any other change of structure, shape or dtype is an error naming the
@@ -125,11 +126,12 @@ def carry_dtypes(fn: StepFn, state: Any, batch: Any) -> list[Any]:
 
     >>> import numpy as np
     >>> carry_dtypes(lambda s, b: (s + b, b), 0, np.float32(1))
-    [dtype('float32')]
+    [(dtype('float32'), False)]
     """
     result = jax.eval_shape(fn, state, batch)
     check_step_result(result, state)
-    return returned_dtypes(state, result[0])
+    weak = [getattr(leaf, "weak_type", False) for leaf in jax.tree.leaves(result[0])]
+    return list(zip(returned_dtypes(state, result[0]), weak, strict=True))
 
 
 def returned_dtypes(state: Any, out: Any) -> list[Any]:
