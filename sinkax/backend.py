@@ -156,13 +156,13 @@ def resolve_device(target: str | None = None, device_id: int = 0) -> jax.Device:
     """
     if target is None and pjrt.env_preset():  # SINKAX_PJRT selects the emulated device
         target = "Emulated"
+    if target is not None and target not in TARGETS:  # before anything starts jax's backends
+        raise ValueError(f"device_target must be one of {list(TARGETS)}, got {target!r}.")
     _load_on_demand(target)
     reachable = available()
     listing = ", ".join(f"{t}: {len(d)} device(s)" for t, d in reachable.items())
     if target is None:
         devices = jax.local_devices()
-    elif target not in TARGETS:
-        raise ValueError(f"device_target must be one of {list(TARGETS)}, got {target!r}.")
     elif target == "Ascend" and target not in reachable:
         raise ValueError(
             "device_target='Ascend' needs an Ascend PJRT plugin, and none is here: no JAX "

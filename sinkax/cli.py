@@ -31,15 +31,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 
 
-def _at_least(least: int) -> Callable[[str], int]:
+def _at_least(least: int, most: int = sys.maxsize) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be from {least} to {most}, got {value}")
         return value
 
     parse.__name__ = "int"  # what argparse calls a value it cannot read: "invalid int value"
@@ -169,6 +170,9 @@ def _eval_batch_size(num_images: int, limit: int = 500, multiple_of: int = 1) ->
 
 def train_lenet(args: argparse.Namespace) -> float:
     """Run ``sinkax train``; returns the test accuracy."""
+    if args.no_sink and (args.sink_size != -1 or args.call_seconds is not None):
+        raise ValueError("--no-sink runs a step per batch, no sinks to size: drop --sink-size "
+                         "and --call-seconds, or --no-sink.")  # fmt: skip
     if args.call_seconds is not None and args.sink_size != "auto":
         raise ValueError("--call-seconds sizes the sinks of --sink-size auto: give both.")
     import jax

@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -77,14 +78,15 @@ def set_context(**settings: Any) -> None:
         device = resolve_device(target, settings.get("device_id", _context.device_id))
         jax.config.update("jax_default_device", device)
     for name, value in settings.items():
-        setattr(_context, name, value)
+        setattr(_context, name, copy.deepcopy(value) if name == "profiling_options" else value)
 
 
 def get_context(key: str | None = None) -> Any:
     """One setting by name, or a copy of all of them."""
     if key is not None and key not in _SETTINGS:
         raise ValueError(f"Unknown context setting {key!r}; known: {sorted(_SETTINGS)}.")
-    return dataclasses.replace(_context) if key is None else getattr(_context, key)
+    value = copy.deepcopy(_context) if key is None else getattr(_context, key)
+    return copy.deepcopy(value) if key == "profiling_options" else value  # not the context's
 
 
 def sink_options(options: dict[str, Any]) -> dict[str, Any]:

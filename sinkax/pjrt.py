@@ -182,9 +182,9 @@ def use_emulated(costs: str | Preset | None = None) -> str:
     Returns ``"emu"``; its devices are then ``jax.devices("emu")``. Figures measured on it are
     emulated: compute runs at this CPU's speed.
     """
+    _plugin_library_path()  # an ImportError saying how to install it, if it is not
     import sinkax_pjrt
 
-    _plugin_library_path()
     costs = (env_preset() or "pcie4-x16") if costs is None else costs
     return use_plugin(sinkax_pjrt.cpu_plugin_path(), EMULATED_PLATFORM, costs=costs)
 

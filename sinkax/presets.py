@@ -82,7 +82,7 @@ def preset(name_or_preset: str | Preset) -> Preset:
     """The preset named, or the :class:`Preset` given; a clear error for an unknown name."""
     if isinstance(name_or_preset, Preset):
         return name_or_preset
-    if name_or_preset not in PRESETS:
+    if not isinstance(name_or_preset, str) or name_or_preset not in PRESETS:
         raise ValueError(
             f"Unknown emulated-device preset {name_or_preset!r}; known: {sorted(PRESETS)}, "
             "or pass a sinkax.presets.Preset(...) of your own."

@@ -71,7 +71,9 @@ def test_python_dash_m_and_bad_options():
     assert exit_info.value.code == 2
     bads = (["--epochs", "0"], ["--sink-size", "many"], ["--call-seconds", "1"])
     numbers = (["--lr", "nan"], ["--lr", "-0.1"], ["--momentum", "1"], ["--call-seconds", "0"])
-    for bad in (*bads, *numbers, ["--seed", "-1"], ["--batch-size", "0"]):
+    seeds = (["--seed", "-1"], ["--seed", str(2**63)])  # jax.random.key takes an int64
+    unsized = (["--no-sink", "--sink-size", "4"], ["--no-sink", "--sink-size", "auto"])
+    for bad in (*bads, *numbers, *seeds, *unsized, ["--batch-size", "0"]):
         with pytest.raises(SystemExit) as exit_info:  # before anything is built
             main(["train", *bad])
         assert exit_info.value.code == 2

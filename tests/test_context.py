@@ -1,6 +1,8 @@
 """``set_context`` as ``Model.train`` sees it: modes, device targets, graph dumps, profiling."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -59,6 +61,35 @@ def test_an_unavailable_device_target_lists_the_available_ones():
     with pytest.raises(ValueError, match=r"device_target='GPU' is not available.*CPU: \d+ device"):
         sinkax.set_context(device_target="GPU")
     assert sinkax.get_context("device_target") != "GPU"
+
+
+def test_a_misspelt_target_is_refused_before_jax_starts_so_the_right_one_still_loads():
+    code = (
+        "import sinkax\n"
+        "try:\n"
+        "    sinkax.set_context(device_target='emulated')\n"
+        "except ValueError as error:\n"
+        "    print(str(error).split(',')[0])\n"
+        "sinkax.set_context(device_target='Emulated')  # the plugin loads: jax had not started\n"
+        "print(repr(sinkax.backend.default_device()))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [
+        "device_target must be one of ['CPU'", "EmuDevice(id=0)"
+    ]  # fmt: skip
+
+
+def test_the_context_returned_is_a_copy_and_so_is_the_one_kept():
+    options = {"result_path": "here"}
+    sinkax.set_context(profiling_options=options)
+    try:
+        options["result_path"] = "elsewhere"  # the caller's dict, changed later
+        sinkax.get_context().profiling_options["result_path"] = "there"
+        sinkax.get_context("profiling_options")["result_path"] = "there"
+        assert sinkax.get_context("profiling_options") == {"result_path": "here"}
+    finally:
+        sinkax.set_context(profiling_options={})
 
 
 def test_save_graphs_dumps_the_sink_executables_with_their_loop(tmp_path):

@@ -430,6 +430,8 @@ def test_the_plugin_is_not_registered_under_a_platform_jax_has(platform):
 def test_misuse_of_the_plugin_layer_is_explained():
     with pytest.raises(ValueError, match="Unknown emulated-device preset 'nope'"):
         pjrt.use_emulated("nope")
+    with pytest.raises(ValueError, match=r"Unknown emulated-device preset \{'launch_s': 0\}"):
+        pjrt.set_costs({"launch_s": 0})  # a dict is no Preset: not "unhashable type"
     with pytest.raises(RuntimeError, match="already loaded as 'emu'"):
         pjrt.use_plugin("/elsewhere/plugin.so", "ascend")
 
