@@ -33,6 +33,8 @@ import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
+from sinkax.config import int_in
+
 MODULES = ("main", "runtime", "minddata")
 
 _lock = threading.Lock()
@@ -48,7 +50,7 @@ def parse_cpu_list(ranges: Sequence[str]) -> tuple[int, ...]:
     (0, 1, 2, 6)
     """
     cpus: set[int] = set()
-    for item in ranges:
+    for item in [ranges] if isinstance(ranges, str) else ranges:  # "0-3" alone: one entry
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(item))
         if not match or (match[2] is not None and int(match[2]) < int(match[1])):
             raise ValueError(
@@ -88,7 +90,7 @@ def plan_from_dict(
         raise ValueError(f"Unknown module(s) {unknown} in module_to_cpu_dict; known: {MODULES}.")
     plan = {name: tuple(cpus) for name in MODULES}
     for name, indexes in module_to_cpu_dict.items():
-        bad = [i for i in indexes if not (isinstance(i, int) and 0 <= i < len(cpus))]
+        bad = [i for i in indexes if not int_in(i, 0, len(cpus) - 1)]  # numpy's ints too
         if bad or not indexes:
             raise ValueError(
                 f"module_to_cpu_dict[{name!r}] must list indexes into the {len(cpus)} CPUs "

@@ -44,7 +44,7 @@ def check_sink_size(sink_size: Any) -> int | str:
     :data:`AUTO`; else a ``ValueError``."""
     if isinstance(sink_size, str) and sink_size == AUTO:
         return AUTO
-    if not (_int_in(sink_size, 1, MAX_SINK_SIZE) or _int_in(sink_size, -1, -1)):
+    if not (int_in(sink_size, 1, MAX_SINK_SIZE) or int_in(sink_size, -1, -1)):
         raise ValueError(
             f"sink_size must be a positive int (steps per call, at most {MAX_SINK_SIZE}: a "
             f"call stacks every step's output), -1 (one epoch per call) or 'auto' (calls of "
@@ -63,7 +63,7 @@ def check_timed(sink_size: Any, call_seconds: Any) -> None:
         )
 
 
-def _int_in(value: Any, least: float, most: float) -> bool:
+def int_in(value: Any, least: float, most: float) -> bool:
     """Whether ``value`` is an int (not a bool) from ``least`` to ``most``."""
     return (
         isinstance(value, numbers.Integral)
@@ -74,7 +74,7 @@ def _int_in(value: Any, least: float, most: float) -> bool:
 
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:
     check_sink_size(sink_size)
-    if not _int_in(prefetch, 1, MAX_PREFETCH):
+    if not int_in(prefetch, 1, MAX_PREFETCH):
         raise ValueError(
             f"prefetch must be an int from 1 to {MAX_PREFETCH} (chunks ready ahead: a sink sets "
             "up prefetch + 1 device slots when it starts, each holding up to max_chunk_bytes "
@@ -106,7 +106,7 @@ def _check_bounds(sink_size: int | str, calls: Any, total_steps: Any) -> None:
         ("total_steps", total_steps, "steps it will run"),
     )
     for name, value, what in bounds:
-        if value is not None and not _int_in(value, 1, math.inf):
+        if value is not None and not int_in(value, 1, math.inf):
             raise ValueError(
                 f"{name} must be an int >= 1 (the {what}) or None (as many as you like), got "
                 f"{value!r}."

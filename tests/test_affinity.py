@@ -39,11 +39,19 @@ def test_bad_cpu_list_is_named(ranges, message):
         affinity.parse_cpu_list(ranges)
 
 
+def test_a_cpu_list_given_as_one_string_is_one_entry():
+    assert affinity.parse_cpu_list("0-2") == affinity.parse_cpu_list(["0-2"]) == (0, 1, 2)
+    assert affinity.parse_cpu_list("12") == (12,)  # not CPUs 1 and 2
+
+
 def test_bad_module_dict_names_the_problem():
     with pytest.raises(ValueError, match="Unknown module"):
         affinity.plan_from_dict([0, 1], {"compute": [0]})
     with pytest.raises(ValueError, match=r"indexes into the 2 CPUs \[0, 1\] \(0 to 1\), got \[2\]"):
         affinity.plan_from_dict([0, 1], {"minddata": [2]})
+    with pytest.raises(ValueError, match=r"got \[True\]"):  # a bool is no index
+        affinity.plan_from_dict([0, 1], {"minddata": [True]})
+    assert affinity.plan_from_dict([4, 5], {"minddata": [np.int64(1)]})["minddata"] == (5,)
 
 
 def test_one_cpu_cannot_be_split():
