@@ -51,13 +51,17 @@ _positive, _natural = _at_least(1), _at_least(0)
 
 
 def _sink_size(text: str) -> int | str:
-    """``--sink-size``: ``auto`` or an int (its range checked by ``Model.train``)."""
+    """``--sink-size``: ``auto``, ``-1`` or a positive int (its upper bound checked by
+    ``Model.train``)."""
     if text == "auto":
         return text
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int or auto, got {text!r}") from None
+        value = 0
+    if value == 0 or value < -1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, -1 or auto, got {text!r}")
+    return value
 
 
 def _float(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:

@@ -73,7 +73,8 @@ def test_python_dash_m_and_bad_options():
     numbers = (["--lr", "nan"], ["--lr", "-0.1"], ["--momentum", "1"], ["--call-seconds", "0"])
     seeds = (["--seed", "-1"], ["--seed", str(2**63)])  # jax.random.key takes an int64
     unsized = (["--no-sink", "--sink-size", "4"], ["--no-sink", "--sink-size", "auto"])
-    for bad in (*bads, *numbers, *seeds, *unsized, ["--batch-size", "0"]):
+    sizes = (["--sink-size", "0"], ["--sink-size", "-2"])  # refused before anything is built
+    for bad in (*bads, *numbers, *seeds, *unsized, *sizes, ["--batch-size", "0"]):
         with pytest.raises(SystemExit) as exit_info:  # before anything is built
             main(["train", *bad])
         assert exit_info.value.code == 2
