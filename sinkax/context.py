@@ -4,10 +4,12 @@
   eagerly, for debugging); the default of every sink's ``jit``.
 * ``device_target`` / ``device_id``: the JAX platform and device (``sinkax.backend``); also made
   JAX's default device.
-* ``save_graphs``: ``False`` or a folder; every sink executable's StableHLO and optimised HLO is
-  written there.
+* ``save_graphs``: ``False`` or a folder (``True``: :data:`GRAPHS`); every sink executable's
+  StableHLO and optimised HLO is written there.
 * ``enable_profiling`` / ``profiling_options``: ``Model.train`` records a ``jax.profiler`` trace
   (TensorBoard/Perfetto) into ``profiling_options["result_path"]``.
+
+A folder is made when it is set, and refused then if it cannot be made or written.
 
 >>> set_context(mode=PYNATIVE_MODE); get_context("mode") == PYNATIVE_MODE
 True
@@ -21,6 +23,7 @@ import copy
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +31,7 @@ import jax
 
 from sinkax.backend import resolve_device
 
+GRAPHS = "graphs"  # the folder of save_graphs=True
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
 
@@ -73,12 +77,32 @@ def set_context(**settings: Any) -> None:
             'profiling_options must be a dict (or its JSON), e.g. {"result_path": "profiler"}; '
             f"got {options!r}."
         )
+    graphs = settings.get("save_graphs")
+    if graphs:
+        _check_folder("save_graphs", GRAPHS if graphs is True else graphs)
+    if "result_path" in options:
+        _check_folder('profiling_options["result_path"]', options["result_path"])
     if "device_target" in settings or "device_id" in settings:
         target = settings.get("device_target", _context.device_target)
         device = resolve_device(target, settings.get("device_id", _context.device_id))
         jax.config.update("jax_default_device", device)
     for name, value in settings.items():
         setattr(_context, name, copy.deepcopy(value) if name == "profiling_options" else value)
+
+
+def _check_folder(name: str, folder: Any) -> None:
+    """``folder`` made if it is not there; a ``ValueError`` naming setting ``name`` if it is no
+    path or cannot be made and written (not later, at the first sink or run that writes)."""
+    if not isinstance(folder, str | os.PathLike):
+        raise ValueError(f"{name} must be a folder (a path), got {folder!r:.60}.")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise ValueError(
+            f"{name}={os.fspath(folder)!r} cannot be written ({error.strerror}): give a folder "
+            "that can be made and written."
+        ) from None
 
 
 def get_context(key: str | None = None) -> Any:
@@ -112,7 +136,7 @@ def jit_enabled(jit: bool | None) -> bool:
 def graphs_folder() -> str | None:
     """Where ``save_graphs`` writes, or ``None``."""
     if _context.save_graphs is True:
-        return "graphs"
+        return GRAPHS
     return _context.save_graphs or None
 
 

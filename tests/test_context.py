@@ -44,6 +44,9 @@ def test_graph_and_pynative_modes_train_alike(train_options):
         ({"profiling_options": None}, "profiling_options must be a dict"),
         ({"profiling_options": "{bad"}, "profiling_options is not valid JSON"),
         ({"enable_profiling": "no"}, "enable_profiling must be True or False"),
+        ({"save_graphs": 123}, "save_graphs must be a folder"),
+        ({"save_graphs": "/proc/graphs"}, r"save_graphs='/proc/graphs' cannot be written"),
+        ({"profiling_options": {"result_path": 5}}, r"result_path\"\] must be a folder"),
     ],
 )
 def test_bad_settings_are_value_errors_that_change_nothing(setting, match):
