@@ -111,13 +111,33 @@ def backend_of(where: jax.Device | jax.sharding.Sharding) -> Backend:
     return _backend(device.platform)
 
 
+_PLUGGED = {"Emulated": pjrt.EMULATED_PLATFORM, "Ascend": "ascend"}  # platforms sinkax loads
+
+
 def _load_on_demand(target: str | None) -> None:
     """Register the plugin ``target`` needs through sinkax's plugin layer, if it is not yet."""
     if target == "Emulated" and pjrt.loaded_platform() is None:
         pjrt.use_emulated()
     ascend_plugin = os.environ.get(ASCEND_PLUGIN_VARIABLE)
     if target == "Ascend" and ascend_plugin and pjrt.loaded_platform() is None:
-        pjrt.use_plugin(ascend_plugin, "ascend")
+        pjrt.use_plugin(ascend_plugin, _PLUGGED["Ascend"])
+
+
+def _plugin_blocked(target: str) -> str | None:
+    """Why sinkax's plugin cannot give ``target`` in this process, if that is why it is not
+    here: loaded already under the other platform, or left out of ``JAX_PLATFORMS``."""
+    wanted, loaded = _PLUGGED.get(target), pjrt.loaded_platform()
+    if wanted is None:
+        return None
+    if loaded not in (None, wanted):
+        return (
+            f"sinkax's PJRT plugin is loaded in this process as {loaded!r} already, and a "
+            f"process loads it once: use device_target={target!r} in a new process"
+        )
+    platforms = jax.config.jax_platforms  # (the plugin loaded, but jax did not start it)
+    if loaded == wanted and platforms and wanted not in platforms.split(","):
+        return f"JAX_PLATFORMS={platforms!r} leaves it out: set JAX_PLATFORMS={platforms},{wanted}"
+    return None
 
 
 def available() -> dict[str, list[jax.Device]]:
@@ -163,6 +183,8 @@ def resolve_device(target: str | None = None, device_id: int = 0) -> jax.Device:
     listing = ", ".join(f"{t}: {len(d)} device(s)" for t, d in reachable.items())
     if target is None:
         devices = jax.local_devices()
+    elif target not in reachable and (blocked := _plugin_blocked(target)):
+        raise ValueError(f"device_target={target!r} is not available: {blocked}.")
     elif target == "Ascend" and target not in reachable:
         raise ValueError(
             "device_target='Ascend' needs an Ascend PJRT plugin, and none is here: no JAX "

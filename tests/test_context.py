@@ -1,12 +1,14 @@
 """``set_context`` as ``Model.train`` sees it: modes, device targets, graph dumps, profiling."""
 
 import json
+import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from conftest import needs_plugin
 from test_model import History, assert_trees_close, blobs, new_model
 
 import sinkax
@@ -66,6 +68,7 @@ def test_an_unavailable_device_target_lists_the_available_ones():
     assert sinkax.get_context("device_target") != "GPU"
 
 
+@needs_plugin
 def test_a_misspelt_target_is_refused_before_jax_starts_so_the_right_one_still_loads():
     code = (
         "import sinkax\n"
@@ -81,6 +84,18 @@ def test_a_misspelt_target_is_refused_before_jax_starts_so_the_right_one_still_l
     assert run.stdout.splitlines() == [
         "device_target must be one of ['CPU'", "EmuDevice(id=0)"
     ]  # fmt: skip
+
+
+@needs_plugin
+def test_a_target_sinkaxs_plugin_cannot_give_in_this_process_says_why():
+    emulated = "import sinkax\nsinkax.set_context(device_target='Emulated')\n"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the plugin loads; jax does not start it
+    run = subprocess.run([sys.executable, "-c", emulated], env=env, capture_output=True, text=True)
+    assert "JAX_PLATFORMS='cpu' leaves it out: set JAX_PLATFORMS=cpu,emu" in run.stderr
+    ascend = emulated + "sinkax.set_context(device_target='Ascend')\n"  # loaded as emu already
+    env = {**os.environ, "SINKAX_ASCEND_PJRT": "/some/plugin.so"}
+    run = subprocess.run([sys.executable, "-c", ascend], env=env, capture_output=True, text=True)
+    assert "loaded in this process as 'emu' already" in run.stderr, run.stderr[-2000:]
 
 
 def test_the_context_returned_is_a_copy_and_so_is_the_one_kept():
