@@ -293,7 +293,7 @@ def data_sink(
         or for ``sink_size=1`` ``"step"`` (see :mod:`sinkax.execution.choice`). The environment
         variable ``SINKAX_STRATEGY`` (``scan`` / ``loop``) pins what ``"auto"`` runs, and so
         does a ``data_state`` that recorded one.
-      prefetch: chunks prepared ahead (1 to 64); ``prefetch + 1`` held (:mod:`sinkax.channel.ring`).
+      prefetch: chunks prepared ahead (1 to 64), beside the one in use (:mod:`sinkax.channel.ring`).
       max_chunk_bytes: a call whose data exceeds this is fed as several consecutive chunks.
       timeout: seconds without a single new batch from the dataset before a waiting call
         raises :class:`~sinkax.SinkTimeoutError` (a slow but steady pipeline never times out;
