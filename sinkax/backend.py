@@ -127,8 +127,8 @@ def _plugin_blocked(target: str) -> str | None:
     """Why sinkax's plugin cannot give ``target`` in this process, if that is why it is not
     here: loaded already under the other platform, or left out of ``JAX_PLATFORMS``."""
     wanted, loaded = _PLUGGED.get(target), pjrt.loaded_platform()
-    if wanted is None:
-        return None
+    if wanted is None or (target == "Ascend" and not os.environ.get(ASCEND_PLUGIN_VARIABLE)):
+        return None  # no plugin of sinkax's would give it here
     if loaded not in (None, wanted):
         return (
             f"sinkax's PJRT plugin is loaded in this process as {loaded!r} already, and a "
