@@ -55,13 +55,9 @@ def _sink_size(text: str) -> int | str:
     ``Model.train``)."""
     if text == "auto":
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value == 0 or value < -1:
+    if not ((text.isdigit() and int(text) > 0) or text == "-1"):
         raise argparse.ArgumentTypeError(f"must be a positive int, -1 or auto, got {text!r}")
-    return value
+    return int(text)
 
 
 def _float(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:

@@ -29,6 +29,7 @@ from jax.sharding import Sharding
 from sinkax import placement
 from sinkax.backend import TARGETS, backend_of, default_device, resolve_device
 from sinkax.channel.sizing import check_call_seconds
+from sinkax.channel.source import is_int
 from sinkax.execution import progress as progress_hook
 from sinkax.execution.guard import Watch, watcher
 
@@ -63,13 +64,9 @@ def check_timed(sink_size: Any, call_seconds: Any) -> None:
         )
 
 
-def int_in(value: Any, least: float, most: float) -> bool:
-    """Whether ``value`` is an int (not a bool) from ``least`` to ``most``."""
-    return (
-        isinstance(value, numbers.Integral)
-        and not isinstance(value, bool)
-        and least <= value <= most
-    )
+def int_in(value: Any, least: int, most: float) -> bool:
+    """Whether ``value`` is an int (numpy's too, not a bool) from ``least`` to ``most``."""
+    return is_int(value, least) and value <= most
 
 
 def _validate(sink_size: Any, prefetch: Any, timeout: Any, max_chunk_bytes: Any) -> None:

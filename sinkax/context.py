@@ -79,29 +79,30 @@ def set_context(**settings: Any) -> None:
         )
     graphs = settings.get("save_graphs")
     if graphs:
-        _check_folder("save_graphs", GRAPHS if graphs is True else graphs)
+        check_folder("save_graphs", GRAPHS if graphs is True else graphs)
     if "result_path" in options:
-        _check_folder('profiling_options["result_path"]', options["result_path"])
+        check_folder('profiling_options["result_path"]', options["result_path"])
     if "device_target" in settings or "device_id" in settings:
         target = settings.get("device_target", _context.device_target)
         device = resolve_device(target, settings.get("device_id", _context.device_id))
         jax.config.update("jax_default_device", device)
     for name, value in settings.items():
-        setattr(_context, name, copy.deepcopy(value) if name == "profiling_options" else value)
+        setattr(_context, name, copy.deepcopy(value))  # not the caller's dict
 
 
-def _check_folder(name: str, folder: Any) -> None:
-    """``folder`` made if it is not there; a ``ValueError`` naming setting ``name`` if it is no
-    path or cannot be made and written (not later, at the first sink or run that writes)."""
+def check_folder(name: str, folder: Any) -> None:
+    """``folder`` made if it is not there; a ``ValueError`` naming ``name`` (a setting, or what
+    writes there) if it is no path or cannot be made and written -- before any work, not at the
+    first write."""
     if not isinstance(folder, str | os.PathLike):
         raise ValueError(f"{name} must be a folder (a path), got {folder!r:.60}.")
     try:
         os.makedirs(folder, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
+        tempfile.TemporaryFile(dir=folder).close()  # an existing one may be read-only
     except OSError as error:
         raise ValueError(
-            f"{name}={os.fspath(folder)!r} cannot be written ({error.strerror}): give a folder "
-            "that can be made and written."
+            f"{name} cannot write to {os.fspath(folder)} ({error.strerror}): give a folder that "
+            "can be made and written."
         ) from None
 
 
@@ -109,8 +110,7 @@ def get_context(key: str | None = None) -> Any:
     """One setting by name, or a copy of all of them."""
     if key is not None and key not in _SETTINGS:
         raise ValueError(f"Unknown context setting {key!r}; known: {sorted(_SETTINGS)}.")
-    value = copy.deepcopy(_context) if key is None else getattr(_context, key)
-    return copy.deepcopy(value) if key == "profiling_options" else value  # not the context's
+    return copy.deepcopy(_context if key is None else getattr(_context, key))
 
 
 def sink_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sinkax import distributed
+from sinkax import context, distributed
 from sinkax.errors import warn
 from sinkax.train import checks
 from sinkax.train.callbacks import Callback, RunContext
@@ -132,15 +131,7 @@ class ModelCheckpoint(Callback):
         return manager.latest_step()
 
     def on_train_begin(self, run: RunContext) -> None:
-        try:  # before any training, not at the first save
-            os.makedirs(self.directory, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.directory):  # an existing one may be read-only
-                pass
-        except OSError as error:
-            raise ValueError(
-                f"ModelCheckpoint cannot write to {self.directory} ({error.strerror}): give a "
-                "directory that can be created and written."
-            ) from error
+        context.check_folder("ModelCheckpoint", self.directory)  # before any training
         self._close()  # the directory read afresh: another run may have saved since
         latest = self.latest_step()
         if latest is not None and latest > run.step:

@@ -233,12 +233,12 @@ class Model:
         callbacks = list(callbacks or [])
         for callback in callbacks:
             if not isinstance(callback, Callback):
-                a_class = isinstance(callback, type) and issubclass(callback, Callback)
+                fix = "subclass sinkax.train.Callback, overriding the hooks you need"
+                if isinstance(callback, type) and issubclass(callback, Callback):
+                    fix = f"pass {callback.__name__}(), not the class"
                 raise TypeError(
-                    f"callbacks must be Callback instances, got {callback!r:.80}: "
-                    + (f"pass {callback.__name__}(), not the class." if a_class else "subclass "
-                       "sinkax.train.Callback, overriding the hooks you need (on_step_end...).")
-                )  # fmt: skip
+                    f"callbacks must be Callback instances, got {callback!r:.80}: {fix}."
+                )
         wanted = {key: v for callback in callbacks for key, v in callback.sink_options().items()}
         helper = DatasetHelper(
             train_dataset,
