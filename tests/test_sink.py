@@ -700,24 +700,49 @@ def test_a_call_that_cuts_the_chunk_while_the_ragged_last_batch_is_read_keeps_th
     assert firsts == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4] and float(state) == 2 * (4 * 6 + 2 * 4)
 
 
+def press_ctrl_c_once_waiting_after_a_dispatch(sink, deadline_s=60.0):
+    """A thread that presses Ctrl-C once the main thread waits for a chunk, after the sink's
+    first dispatch: a point it finds by looking, not by timing."""
+    main, wait = threading.main_thread().ident, DeviceRing._wait.__code__
+
+    def waiting():
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code is not wait:
+            frame = frame.f_back
+        return frame is not None
+
+    def press():
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if sink.stats.dispatches and waiting():
+                return signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.005)
+
+    presser = threading.Thread(target=press)
+    presser.start()
+    return presser
+
+
 def test_interrupted_call_keeps_the_state_and_loses_no_batch(batches):
-    class SlowAfterFirstChunk:
+    stalled = threading.Event()  # batch 6 is read once the test lets it
+
+    class StallsAtBatchSix:
         def __iter__(self):
             for i, batch in enumerate(batches):
                 if i == 6:
-                    time.sleep(1.0)
+                    assert stalled.wait(60)
                 yield batch
 
     batch_bytes = sum(v.nbytes for v in batches[0].values())
     state = init_state()
     with sinkax.data_sink(
-        train_step, SlowAfterFirstChunk(), 8, max_chunk_bytes=4 * batch_bytes, strategy="scan"
+        train_step, StallsAtBatchSix(), 8, max_chunk_bytes=4 * batch_bytes, strategy="scan"
     ) as sink:
-        timer = threading.Timer(0.3, lambda: __import__("_thread").interrupt_main())
-        timer.start()
+        presser = press_ctrl_c_once_waiting_after_a_dispatch(sink)
         with pytest.raises(KeyboardInterrupt):
-            sink(state)  # chunk 1 (4 steps) runs, then waits for the slow chunk 2
-        timer.join()
+            sink(state)  # chunk 1 (4 steps) runs, then the call waits for batch 6: Ctrl-C
+        presser.join()
+        stalled.set()
         assert sink.data_state()["step"] == 0
         state, losses = sink(state)  # the caller's state is still valid; data rewinds
     _, ref_losses = reference_run(batches, 8)
