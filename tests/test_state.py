@@ -167,6 +167,20 @@ def test_a_python_number_in_the_state_stays_weakly_typed_as_under_jit(sink_optio
     np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(expected["w"]))
 
 
+def test_an_output_from_a_python_number_stays_weakly_typed_as_under_jit(sink_options):
+    def step(state, batch):  # the output: a Python float times a weakly typed leaf
+        return state, {"half_lr": state["lr"] * 0.5, "sum": batch.sum()}
+
+    data, sink_size = ones(), sink_size_for(sink_options)
+    _, expected = jax.jit(step)({"lr": 0.5}, data[0])
+    with sinkax.data_sink(step, data, sink_size, **sink_options) as sink:
+        _, outs = sink({"lr": 0.5})
+    for key, out in outs.items():  # so that they promote alike: bfloat16 * a weak float32 leaf
+        assert jax.typeof(out).weak_type == jax.typeof(expected[key]).weak_type, key
+        assert (out * jnp.bfloat16(1)).dtype == (expected[key] * jnp.bfloat16(1)).dtype, key
+    np.testing.assert_array_equal(outs["half_lr"], np.full(sink_size, 0.25, np.float32))
+
+
 def test_a_typed_key_in_a_batch_is_refused_with_the_fix():
     keys = [jax.random.key(i) for i in range(4)]
     with (

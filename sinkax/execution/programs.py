@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
@@ -92,10 +93,18 @@ def start_program(out: Any, steps: int) -> Callable[[jax.Array], tuple[Any, ...]
     positions, fresh buffers that the steps may consume."""
 
     def start(i: jax.Array) -> tuple[Any, ...]:
-        outs = jax.tree.map(lambda o: jnp.zeros((steps, *o.shape), o.dtype), out)
-        return outs, i + 0, jnp.int32(0)
+        return jax.tree.map(lambda o: stacked_zeros(o, steps), out), i + 0, jnp.int32(0)
 
     return start
+
+
+def stacked_zeros(out: jax.ShapeDtypeStruct, steps: int) -> jax.Array:
+    """Zeros for ``steps`` stacked ``out``, weakly typed where ``out`` is -- as ``lax.scan``
+    stacks a Python number's output, so that the outputs promote alike under every strategy (a
+    weak leaf has its kind's default dtype: that of a Python zero of the kind)."""
+    if out.weak_type:
+        return jnp.full((steps, *out.shape), np.zeros((), out.dtype).item())
+    return jnp.zeros((steps, *out.shape), out.dtype)
 
 
 def with_leading_axis(tree: Any) -> Any:
@@ -119,7 +128,15 @@ def step_program(fn: StepFn) -> Callable[..., Any]:
     def step(carry: tuple[Any, Any, jax.Array, jax.Array], chunk: Any) -> tuple[Any, ...]:
         state, outs, i, j = carry
         state, out = fn(state, batch_at(chunk, i))
-        outs = jax.tree.map(lambda buf, o: lax.dynamic_update_index_in_dim(buf, o, j, 0), outs, out)
+        outs = jax.tree.map(lambda buf, o: put_row(buf, o, j), outs, out)
         return state, outs, i + 1, j + 1
 
     return step
+
+
+def put_row(buf: jax.Array, row: jax.Array, j: jax.Array) -> jax.Array:
+    """``buf`` with ``row`` at index ``j``, weakly typed if ``buf`` is (``.at[j].set`` keeps a
+    weak type; ``dynamic_update_slice``, the plainer program, takes its strong index's)."""
+    if jax.typeof(buf).weak_type:
+        return buf.at[j].set(row)
+    return lax.dynamic_update_index_in_dim(buf, row, j, 0)
