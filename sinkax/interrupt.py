@@ -18,7 +18,10 @@ main thread ever receives ``KeyboardInterrupt``, so calls from other threads nee
 What no guard can cover: CPython checks for signals in the caller right after a call returns,
 before the result is stored. A Ctrl-C arriving in the call's last few bytecodes (after its
 :func:`checkpoint`) is raised there -- the window every donating ``jax.jit`` call has around its
-whole dispatch, here a few bytecodes long.
+whole dispatch, here a few bytecodes long. Nor can it make code that swallows
+``KeyboardInterrupt`` pass it on: a Ctrl-C handled inside jax's garbage-collection callback, or
+inside the bare ``except:`` with which jax (0.10) reads a new executable's layouts, is lost --
+the call goes on as if no key was pressed; press again.
 
 >>> import jax.numpy as jnp
 >>> handoff = Handoff()
