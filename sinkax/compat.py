@@ -1,7 +1,8 @@
 """The private jax names sinkax uses, all in this one module.
 
-jax has no public API for adding a PJRT plugin at run time or for the coordination client of
-``jax.distributed``, so sinkax reaches into ``jax._src`` for them -- and only here. Each name is
+jax has no public API for adding a PJRT plugin at run time, for the coordination client of
+``jax.distributed``, or for telling where it would swallow a Ctrl-C, so sinkax reaches into
+``jax._src`` for them -- and only here. Each name is
 looked up when it is used: where jax has moved or removed it, the function below either falls back
 (saying what is lost) or raises :class:`JaxVersionError`, which names the name, the installed jax
 version and the versions sinkax was tested with. The rest of sinkax runs without any of them.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import types
 from typing import Any
 
 import jax
@@ -29,6 +31,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "distributed_state": ("jax._src.distributed", "global_state"),
     "backend_factories": ("jax._src.xla_bridge", "_backend_factories"),
     "platform_aliases": ("jax._src.xla_bridge", "_platform_aliases"),
+    "layouts_from_executable": ("jax._src.interpreters.pxla", "_get_layouts_from_executable"),
 }
 # jax's own platform names, as far as a jax without those lists is concerned
 KNOWN_PLATFORMS = frozenset({"cpu", "cuda", "rocm", "gpu", "tpu", "METAL", "iree"})
@@ -104,6 +107,15 @@ def jax_platform_names() -> frozenset[str]:
     if factories is None or aliases is None:
         return KNOWN_PLATFORMS
     return frozenset({*factories, *aliases, *aliases.values()})
+
+
+def catching_everything() -> frozenset[types.CodeType]:
+    """The code of jax's functions that catch every exception, ``KeyboardInterrupt`` included,
+    at a point where a Ctrl-C can be handled: the bare ``except:`` around reading a new
+    executable's layouts. Where this jax lacks the name, none (a Ctrl-C handled there is then
+    lost, as it is without sinkax)."""
+    code = getattr(_private("layouts_from_executable"), "__code__", None)
+    return frozenset() if code is None else frozenset({code})
 
 
 def coordination_client() -> Any:

@@ -18,10 +18,13 @@ main thread ever receives ``KeyboardInterrupt``, so calls from other threads nee
 What no guard can cover: CPython checks for signals in the caller right after a call returns,
 before the result is stored. A Ctrl-C arriving in the call's last few bytecodes (after its
 :func:`checkpoint`) is raised there -- the window every donating ``jax.jit`` call has around its
-whole dispatch, here a few bytecodes long. Nor can it make code that swallows
-``KeyboardInterrupt`` pass it on: a Ctrl-C handled inside jax's garbage-collection callback, or
-inside the bare ``except:`` with which jax (0.10) reads a new executable's layouts, is lost --
-the call goes on as if no key was pressed; press again.
+whole dispatch, here a few bytecodes long.
+
+A ``KeyboardInterrupt`` raised where something catches every exception is lost: in a
+garbage-collection callback (jax has one; CPython prints what it raises and drops it), or in the
+bare ``except:`` with which jax reads a new executable's layouts. A Ctrl-C handled in one of
+those frames is held instead, as one after a dispatch is: the next call (or ``close()``) raises
+it. Code that catches every exception elsewhere, or deeper down, still loses it.
 
 >>> import jax.numpy as jnp
 >>> handoff = Handoff()
@@ -35,11 +38,13 @@ from __future__ import annotations
 
 import _signal  # `signal.getsignal` wraps this in an enum lookup costing ~2 µs; this is per call
 import contextlib
+import gc
 import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from sinkax import compat
 from sinkax.pytree import deleted_leaf
 
 
@@ -74,10 +79,22 @@ DISPATCHED: Any = object()  # guarded once a call's steps have run: hold any Ctr
 
 def _on_sigint(signum: int, frame: Any) -> None:
     state = GUARD.state
-    if state is DISPATCHED or (state is not None and _donated(state)):
+    if state is DISPATCHED or (state is not None and _donated(state)) or _swallowed_in(frame):
         GUARD.held = True
     else:
         GUARD.previous(signum, frame)
+
+
+def _swallowed_in(frame: Any) -> bool:
+    """Whether a ``KeyboardInterrupt`` raised in ``frame`` may be lost on its way up: ``frame``
+    or a caller is a garbage-collection callback (CPython prints and drops what one raises; jax
+    has one), or jax's code that catches every exception (:func:`compat.catching_everything`)."""
+    swallowing = compat.catching_everything() | {
+        callback.__code__ for callback in gc.callbacks if hasattr(callback, "__code__")
+    }
+    while frame is not None and frame.f_code not in swallowing:
+        frame = frame.f_back
+    return frame is not None
 
 
 def guard(state: Any) -> bool:

@@ -92,3 +92,9 @@ def test_without_the_distributed_state_leaving_a_broken_job_names_the_jax_versio
     with pytest.raises(compat.JaxVersionError) as error:
         compat.abandon_distributed()
     assert_names_the_version(error, "distributed_state")
+
+
+def test_without_jax_s_layouts_reader_no_frame_of_jax_counts_as_catching_everything(monkeypatch):
+    assert compat.catching_everything()  # this jax has it
+    remove(monkeypatch, "layouts_from_executable")
+    assert compat.catching_everything() == frozenset()  # a Ctrl-C there is lost, as without sinkax

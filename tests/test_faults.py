@@ -1,6 +1,7 @@
 """Faults: Ctrl-C anywhere, timeouts, closing and restoring from another thread."""
 
 import contextlib
+import gc
 import itertools
 import signal
 import threading
@@ -198,6 +199,47 @@ def test_ctrl_c_in_any_sinkax_frame_of_non_sink_mode_skips_and_repeats_no_batch(
         assert int(state) == len(numbers), f"Ctrl-C at check {k}"
         if next(checks) <= k:
             break
+
+
+def test_a_ctrl_c_handled_in_a_gc_callback_is_held_for_the_next_call():
+    # CPython drops what a garbage-collection callback raises (jax has one, run at every
+    # collection): while a sink is open, its handler holds such a Ctrl-C for the next call
+    pressed = []
+
+    def press_in_the_callback(phase, info):
+        if not pressed:
+            pressed.append(phase)
+            signal.raise_signal(signal.SIGINT)  # handled right here, inside the callback
+
+    with sinkax.data_sink(collect_index, indexed_map_dataset(40, BATCH, seed=None), 2) as sink:
+        state, _ = sink(jnp.int32(0))  # the first call installs the sink's handler
+        gc.callbacks.insert(0, press_in_the_callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(press_in_the_callback)
+        with pytest.raises(KeyboardInterrupt):
+            sink(state)  # stopped before it touched anything
+        state, outs = sink(state)
+    assert pressed == ["start"] and int(state) == 4 and batch_numbers(outs) == [2, 3]
+
+
+@pytest.mark.parametrize("k", range(3))
+def test_a_ctrl_c_while_jax_reads_a_new_executable_s_layouts_is_never_lost(k):
+    # jax reads them inside a bare `except:`: a KeyboardInterrupt raised there would be lost
+    def count(state, batch):  # a new function each time: its first call compiles
+        return state + 1, batch["index"]
+
+    layouts, state, steps = sinkax.compat._private("layouts_from_executable"), jnp.int32(0), 0
+    with sinkax.data_sink(count, indexed_map_dataset(40, BATCH, seed=None), 2) as sink:
+        with ctrl_c_at_check(k, layouts) as checks, contextlib.suppress(KeyboardInterrupt):
+            state, _ = sink(state)  # compiles, reads the layouts: Ctrl-C there
+            steps = 2  # ... held for the next call, which it must stop
+            with pytest.raises(KeyboardInterrupt):
+                sink(state)
+        assert next(checks) > k  # the k-th check point in it was reached
+        state, outs = sink(state)
+    assert int(state) == steps + 2 and batch_numbers(outs) == list(range(steps, steps + 2))
 
 
 def test_a_ctrl_c_during_close_does_not_count_a_live_producer_as_ended():
