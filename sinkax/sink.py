@@ -216,9 +216,9 @@ class Sink:
         self._executor.reselect()
 
     def lower(self, state: Any = NO_STATE) -> jax.stages.Lowered:
-        """The scan executable of one chunk of this sink, lowered (``.as_text()`` is StableHLO);
-        ``state`` concrete or abstract (``jax.ShapeDtypeStruct``), none for a stateless sink.
-        Waits for the first batch to learn the batch layout."""
+        """A ``lax.scan`` over one chunk, lowered for ``state`` as given (concrete, abstract, or
+        none if stateless): a view of the step in its loop (``.as_text()``), not necessarily the
+        strategy a call runs (``save_graphs`` writes those). Waits for the first batch."""
         return self._executor.lower(state, self._cursor.first_spec(), self.steps_per_call)
 
     epoch = property(lambda self: self._cursor.epoch, doc="Epoch of the next batch (from 0).")
