@@ -864,6 +864,8 @@ def test_close_leaves_no_thread_and_blocks_further_calls(batches):
     assert threads_but_copiers() - before  # the producer runs
     sink.close()
     sink.close()
+    for thread in threads_but_copiers() - before:  # the producer's work ended in close(); its
+        thread.join(timeout=10.0)  # thread may have bytecodes left to run on a loaded machine
     assert threads_but_copiers() - before == set()
     with pytest.raises(sinkax.SinkClosedError):
         sink(init_state())
