@@ -24,7 +24,7 @@ A ``KeyboardInterrupt`` raised where something catches every exception is lost: 
 garbage-collection callback (jax has one; CPython prints what it raises and drops it), or in the
 bare ``except:`` with which jax reads a new executable's layouts. A Ctrl-C handled in one of
 those frames is held instead, as one after a dispatch is: the next call (or ``close()``) raises
-it. Code that catches every exception elsewhere, or deeper down, still loses it.
+it. Code that catches every exception elsewhere still loses it.
 
 >>> import jax.numpy as jnp
 >>> handoff = Handoff()
