@@ -343,7 +343,8 @@ def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
     on_clock(monkeypatch, lambda: next(clock))
     dataset = indexed_map_dataset(400, 2)  # 200 batches an epoch, reshuffled each epoch
     seen = []
-    with sinkax.data_sink(collect_index, dataset, "auto", call_seconds=1.0) as sink:
+    options = {"call_seconds": 1.0, "strategy": "scan"}  # "auto" picks by real time: not here
+    with sinkax.data_sink(collect_index, dataset, "auto", **options) as sink:
         while sum(map(len, seen)) < 3 * 400:
             _, indices = sink(jnp.int32(0))
             seen.append(np.asarray(indices).reshape(-1))
@@ -354,7 +355,7 @@ def test_sizes_grow_and_every_sample_is_seen_once_per_epoch(monkeypatch):
     for epoch in range(3):  # calls end at epochs' ends: whole epochs, each sample once
         assert sorted(samples[400 * epoch : 400 * (epoch + 1)]) == list(range(400))
     assert saved["call_steps"] == 200
-    with sinkax.data_sink(collect_index, dataset, "auto", data_state=saved) as sink:
+    with sinkax.data_sink(collect_index, dataset, "auto", data_state=saved, **options) as sink:
         for _ in range(2):  # the resumed sink starts at the size the saved one reached,
             sink(jnp.int32(0))  # the whole epoch: each call one window, as sink_size=-1
         assert sink.stats.call_sizes == (200, 200) and sink.stats.dispatches == 2
