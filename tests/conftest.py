@@ -212,10 +212,20 @@ def producers_left(before: set[threading.Thread], timeout: float = 60.0) -> list
     """The producer threads started since ``before`` that are still alive after waiting up to
     ``timeout`` for them: a producer that has closed its source may still be finishing its
     thread, and an earlier test's producers are not this test's."""
+    return [t.name for t in _left(producer_threads, before, timeout)]
+
+
+def threads_left(before: set[threading.Thread], timeout: float = 60.0) -> set[threading.Thread]:
+    """:func:`threads_but_copiers` started since ``before`` and still alive after waiting up to
+    ``timeout`` for them (a thread whose work has ended may have a few bytecodes left)."""
+    return _left(threads_but_copiers, before, timeout)
+
+
+def _left(alive, before, timeout):
     deadline = time.monotonic() + timeout
-    for thread in producer_threads() - before:
+    for thread in alive() - before:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return [t.name for t in producer_threads() - before]
+    return alive() - before
 
 
 def thread_stacks(name: str) -> str:

@@ -36,6 +36,7 @@ from conftest import (
     reference_run,
     regression_batches,
     threads_but_copiers,
+    threads_left,
     train_step,
 )
 
@@ -864,9 +865,7 @@ def test_close_leaves_no_thread_and_blocks_further_calls(batches):
     assert threads_but_copiers() - before  # the producer runs
     sink.close()
     sink.close()
-    for thread in threads_but_copiers() - before:  # the producer's work ended in close(); its
-        thread.join(timeout=10.0)  # thread may have bytecodes left to run on a loaded machine
-    assert threads_but_copiers() - before == set()
+    assert threads_left(before, timeout=10.0) == set()
     with pytest.raises(sinkax.SinkClosedError):
         sink(init_state())
 
@@ -879,9 +878,7 @@ def test_a_sink_nobody_closed_stops_its_producer_when_collected(batches):
     del sink
     gc.collect()
     assert collected() is None  # the producer thread holds nothing that reaches the sink
-    for thread in threads_but_copiers() - before:
-        thread.join(timeout=10.0)
-    assert threads_but_copiers() - before == set()
+    assert threads_left(before, timeout=10.0) == set()
 
 
 @pytest.mark.parametrize("calls_after", [0, 2])
