@@ -238,6 +238,15 @@ def memory(reset_peak: bool = False) -> tuple[int, int]:
     return values[0], values[1]
 
 
+def reused_copies() -> int:
+    """Host->device copies the plugin made into device memory kept from a freed buffer of the
+    same size, as a device's allocator reuses its memory (copies of 64 KiB or more to a discrete
+    device): not into memory the C library maps afresh, whose pages each fault on first touch."""
+    library = _library()
+    library.sinkax_pjrt_pool_reuses.restype = ctypes.c_uint64
+    return int(library.sinkax_pjrt_pool_reuses())
+
+
 def _library() -> ctypes.CDLL:
     if not _loaded:
         raise RuntimeError(

@@ -11,7 +11,9 @@
 //     asynchronously;
 //   * launch asynchronously, as a device stream does, also when inputs are donated (see Execute);
 //   * report each device's live and peak bytes of buffers (Device_MemoryStats, and
-//     sinkax_pjrt_memory for Python).
+//     sinkax_pjrt_memory for Python);
+//   * on a discrete device, copy large host buffers into device memory it keeps for reuse, as a
+//     device's allocator does (see Pool).
 //
 // Only device memory counts: a buffer in one of a device's host memory kinds (pinned_host,
 // unpinned_host) is host memory, and a copy between it and device memory is the transfer.
@@ -36,6 +38,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -291,9 +294,22 @@ void untrack(PJRT_Buffer* buffer) {
   buffer_bytes.erase(it);
 }
 
-// Whether `buffer` lies in device memory, not in one of the host memory kinds a device offers
+// Whether `memory` is device memory, not one of the host memory kinds a device offers
 // (pinned_host, unpinned_host: named *_host): only device memory is counted and charged.
 // A plugin that does not say is taken to have device memory only.
+bool is_device_memory(PJRT_Memory* memory) {
+  if (!api->PJRT_Memory_Kind) return true;
+  PJRT_Memory_Kind_Args kind{PJRT_Memory_Kind_Args_STRUCT_SIZE, nullptr, memory, nullptr, 0};
+  if (PJRT_Error* error = inner->PJRT_Memory_Kind(&kind)) {
+    forget(error);
+    return true;
+  }
+  std::string name(kind.kind, kind.kind_size);  // "device"; a plugin may name its own otherwise
+  const std::string host = "_host";  // pinned_host, unpinned_host
+  return name.size() < host.size() || name.compare(name.size() - host.size(), host.size(), host);
+}
+
+// Whether `buffer` lies in device memory (see is_device_memory).
 bool in_device_memory(PJRT_Buffer* buffer) {
   // (read from the copied table, zero past the inner plugin's own: it may predate these slots)
   if (!api->PJRT_Buffer_Memory || !api->PJRT_Memory_Kind) return true;
@@ -302,14 +318,7 @@ bool in_device_memory(PJRT_Buffer* buffer) {
     forget(error);
     return true;
   }
-  PJRT_Memory_Kind_Args kind{PJRT_Memory_Kind_Args_STRUCT_SIZE, nullptr, memory.memory, nullptr, 0};
-  if (PJRT_Error* error = inner->PJRT_Memory_Kind(&kind)) {
-    forget(error);
-    return true;
-  }
-  std::string name(kind.kind, kind.kind_size);  // "device"; a plugin may name its own otherwise
-  const std::string host = "_host";  // pinned_host, unpinned_host
-  return name.size() < host.size() || name.compare(name.size() - host.size(), host.size(), host);
+  return is_device_memory(memory.memory);
 }
 
 // The bytes of `buffer`'s data, from its shape (asking a pending buffer its size would wait).
@@ -384,6 +393,113 @@ std::vector<int64_t> output_bytes(PJRT_LoadedExecutable* loaded) {
   return bytes;
 }
 
+// ---- device memory kept for host->device copies ------------------------------------------------
+// The inner XLA:CPU allocates every buffer afresh, and for a large one the C library maps new
+// pages: the copy into it faults once per 4 KiB page (every page of every chunk a sink moves), CPU
+// time that no device's transfer costs the host -- a device's allocator hands back memory it
+// already holds. So on a discrete device a large host buffer is copied into memory of the
+// plugin's own, kept once its buffer is gone for the next copy of the same size, and the inner
+// plugin makes a view of it (PJRT_Client_CreateViewOfDeviceBuffer), which hands the memory back
+// when the buffer and every execution reading it are done.
+constexpr size_t kPooledFrom = 64 << 10;  // smaller: the C library's heap reuses its memory
+constexpr size_t kPoolKeeps = size_t{1} << 30;  // bytes of freed memory kept at most
+constexpr size_t kPoolAlign = 64;  // XLA:CPU takes memory so aligned as a buffer
+
+class Pool {
+ public:
+  void* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        void* memory = it->second.back();
+        it->second.pop_back();
+        kept_ -= bytes;
+        ++reuses_;
+        return memory;
+      }
+    }
+    return std::aligned_alloc(kPoolAlign, (bytes + kPoolAlign - 1) / kPoolAlign * kPoolAlign);
+  }
+  void give(void* memory, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (kept_ + bytes <= kPoolKeeps) {
+        free_[bytes].push_back(memory);
+        kept_ += bytes;
+        return;
+      }
+    }
+    std::free(memory);
+  }
+  uint64_t reuses() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reuses_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<size_t, std::vector<void*>> free_;  // by size
+  size_t kept_ = 0;
+  uint64_t reuses_ = 0;  // copies made into memory kept
+};
+Pool* pool = new Pool;  // leaked on purpose: buffers may be destroyed as the process exits
+
+// The bytes of the host buffer `args` copies if the pool takes the copy, else 0: the pool takes a
+// discrete device's copies of kPooledFrom bytes or more, dense, row-major, of whole-byte elements,
+// into device memory, with no device layout asked for.
+size_t pooled_bytes(const PJRT_Client_BufferFromHostBuffer_Args* args) {
+  if (!config.discrete || !api->PJRT_Client_CreateViewOfDeviceBuffer || args->device_layout) return 0;
+  if (args->memory && !is_device_memory(args->memory)) return 0;
+  uint64_t bits = element_bits(args->type);
+  if (bits == 0 || bits % 8) return 0;
+  size_t bytes = bits / 8;
+  bool strided = args->byte_strides && args->num_byte_strides == args->num_dims;
+  for (size_t i = args->num_dims; i-- > 0;) {
+    if (strided && args->dims[i] > 1 && args->byte_strides[i] != static_cast<int64_t>(bytes)) return 0;
+    bytes *= static_cast<size_t>(args->dims[i]);
+  }
+  return bytes >= kPooledFrom ? bytes : 0;
+}
+
+// Copies `args`' host buffer into the pool's memory and makes `args->buffer` the inner plugin's
+// view of it, `args->done_with_host_buffer` ready (the copy is made); false, and nothing made, if
+// the inner plugin does not make the view.
+bool copy_into_pool(PJRT_Client_BufferFromHostBuffer_Args* args, size_t bytes) {
+  void* memory = pool->take(bytes);
+  if (!memory) return false;
+  std::memcpy(memory, args->data, bytes);
+  PJRT_Client_CreateViewOfDeviceBuffer_Args view{};
+  view.struct_size = PJRT_Client_CreateViewOfDeviceBuffer_Args_STRUCT_SIZE;
+  view.client = args->client;
+  view.device_buffer_ptr = memory;
+  view.dims = args->dims;
+  view.num_dims = args->num_dims;
+  view.element_type = args->type;
+  view.device = args->device;
+  view.memory = args->memory;
+  view.on_delete_callback = [](void* memory, void* bytes) {
+    pool->give(memory, reinterpret_cast<size_t>(bytes));
+  };
+  view.on_delete_callback_arg = reinterpret_cast<void*>(bytes);
+  if (PJRT_Error* error = inner->PJRT_Client_CreateViewOfDeviceBuffer(&view)) {
+    forget(error);
+    pool->give(memory, bytes);
+    return false;
+  }
+  PJRT_Buffer_ReadyEvent_Args ready{PJRT_Buffer_ReadyEvent_Args_STRUCT_SIZE, nullptr, view.buffer,
+                                    nullptr};
+  if (PJRT_Error* error = inner->PJRT_Buffer_ReadyEvent(&ready)) {
+    forget(error);
+    PJRT_Buffer_Destroy_Args destroy{PJRT_Buffer_Destroy_Args_STRUCT_SIZE, nullptr, view.buffer};
+    inner->PJRT_Buffer_Destroy(&destroy);  // hands the memory back
+    return false;
+  }
+  args->buffer = view.buffer;
+  args->done_with_host_buffer = ready.event;
+  return true;
+}
+
 // ---- replaced entries ------------------------------------------------------------------------
 PJRT_Error* PlatformName(PJRT_Client_PlatformName_Args* args) {
   if (config.platform_name.empty()) return inner->PJRT_Client_PlatformName(args);
@@ -440,6 +556,10 @@ PJRT_Error* BufferFromHostBuffer(PJRT_Client_BufferFromHostBuffer_Args* args) {
   if (config.discrete && (args->host_buffer_semantics == PJRT_HostBufferSemantics_kImmutableZeroCopy ||
                           args->host_buffer_semantics == PJRT_HostBufferSemantics_kMutableZeroCopy)) {
     args->host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;  // a real copy
+  }
+  if (size_t bytes = pooled_bytes(args); bytes && copy_into_pool(args, bytes)) {
+    arrived_by_h2d(args->buffer, bytes);
+    return nullptr;
   }
   PJRT_Error* error = inner->PJRT_Client_BufferFromHostBuffer(args);
   if (error) return error;
@@ -719,6 +839,9 @@ SINKAX_EXPORT size_t sinkax_pjrt_counters(uint64_t* out, size_t n) {
   for (size_t i = 0; i < count; ++i) out[i] = counters[i].load();
   return kNumCounters;
 }
+
+// The host->device copies made into device memory kept from an earlier one (see Pool).
+SINKAX_EXPORT uint64_t sinkax_pjrt_pool_reuses() { return pool->reuses(); }
 
 // Writes (live bytes, peak bytes) of every device together into out[0..2); resets the peaks to
 // the live bytes if `reset_peak`.
