@@ -12,7 +12,7 @@ and LeNet5, batch 32) and every preset of :mod:`sinkax.presets` plus
 the modes of :func:`sink_sizes.measure` (plain, the two hand-written loops, sinkax at sink sizes
 1, 10, 100, 1000 and one epoch -- each timed alone, a new sink per timed run after its warm
 calls --, the device-only bounds), with the interactions per step the plugin counted in the
-last timed run of each. Targets: every sink size >= 1.0x plain; from sink size 10 on >= 1.0x
+last timed run of each, and the process's page faults per step there. Targets: every sink size >= 1.0x plain; from sink size 10 on >= 1.0x
 the better hand-written loop; sinkax 1000 >= 0.95x the bound of the strategy it runs; on
 ``balanced``, sinkax 1000's time per step <= 1.1x max(transfer, compute).
 
@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -50,18 +51,25 @@ assert sinkax.backend.default_device() == EMU
 PRESET_NAMES = ("pcie4-x16", "pcie5-x16", "ascend910-pcie4")
 
 
+def page_faults():
+    """The process's minor page faults so far: first touches of memory the kernel maps afresh."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def counted(counts):
-    """``wrap`` for :func:`sink_sizes.measure`: each run records its interactions per step."""
+    """``wrap`` for :func:`sink_sizes.measure`: each run records its interactions per step, and
+    the process's page faults per step (host CPU time a copy into fresh memory costs)."""
 
     def wrap(mode, run):
         def counting_run():
-            before = pjrt.interactions()
+            before, faults = pjrt.interactions(), page_faults()
             result = run()
-            moved = pjrt.interactions() - before
+            moved, faults = pjrt.interactions() - before, page_faults() - faults
             steps = result[-1] if isinstance(result, tuple) else result  # every step it ran
             counts[mode] = {
                 f.name: getattr(moved, f.name) / steps for f in dataclasses.fields(moved)
             }
+            counts[mode]["faults"] = faults / steps
             return result
 
         return counting_run
@@ -94,6 +102,7 @@ def bench(w, steps, repeats, preset):
                 "h2d/step": per_step["h2d"],
                 "h2d B/step": per_step["h2d_bytes"],
                 "d2h/step": per_step["d2h"],
+                "faults/step": per_step["faults"],
             }
         )
     return rows
@@ -248,7 +257,7 @@ def main(argv=None):
             checks += targets(w, results[key], preset)
     pjrt.set_costs("counting")
     columns = ["mode", "steps/s", "x plain", "x hand best", "x bound", "strategy"]
-    columns += ["launch/step", "h2d/step", "h2d B/step", "d2h/step"]
+    columns += ["launch/step", "h2d/step", "h2d B/step", "d2h/step", "faults/step"]
     for key, rows in results.items():
         print(f"\n{key}  (EMULATED device, {machine()['cpu']}, jax {jax.__version__})")
         print(table(rows, columns))
