@@ -12,9 +12,10 @@ and LeNet5, batch 32) and every preset of :mod:`sinkax.presets` plus
 the modes of :func:`sink_sizes.measure` (plain, the two hand-written loops, sinkax at sink sizes
 1, 10, 100, 1000 and one epoch -- each timed alone, a new sink per timed run after its warm
 calls --, the device-only bounds), with the interactions per step the plugin counted in the
-last timed run of each, and the process's page faults per step there. Targets: every sink size >= 1.0x plain; from sink size 10 on >= 1.0x
-the better hand-written loop; sinkax 1000 >= 0.95x the bound of the strategy it runs; on
-``balanced``, sinkax 1000's time per step <= 1.1x max(transfer, compute).
+last timed run of each, and the process's page faults per step there. Targets: every sink size
+>= 1.0x plain; from sink size 10 on >= 1.0x the better hand-written loop; sinkax 1000 >= 0.95x
+the bound of the strategy it runs; on ``balanced``, sinkax 1000's time per step <= 1.1x
+max(transfer, compute).
 
 Then ``counting overhead``: in a subprocess, the same XLA:CPU plugin registered twice, once
 directly and once through sinkax's plugin with costs off and host buffers left as they are, so

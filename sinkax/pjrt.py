@@ -129,6 +129,7 @@ def use_plugin(
     library = ctypes.CDLL(path)
     library.sinkax_pjrt_set_costs.argtypes = [ctypes.c_double] * 5
     library.sinkax_pjrt_load_error.restype = ctypes.c_char_p
+    library.sinkax_pjrt_pool_reuses.restype = ctypes.c_uint64
     if library.sinkax_pjrt_configure(inner_path.encode(), platform.encode(), int(discrete)):
         raise RuntimeError("sinkax's PJRT plugin was loaded outside sinkax.pjrt; reconfigure it.")
     _set_costs(library, chosen)
@@ -241,10 +242,9 @@ def memory(reset_peak: bool = False) -> tuple[int, int]:
 def reused_copies() -> int:
     """Host->device copies the plugin made into device memory kept from a freed buffer of the
     same size, as a device's allocator reuses its memory (copies of 64 KiB or more to a discrete
-    device): not into memory the C library maps afresh, whose pages each fault on first touch."""
-    library = _library()
-    library.sinkax_pjrt_pool_reuses.restype = ctypes.c_uint64
-    return int(library.sinkax_pjrt_pool_reuses())
+    device over XLA:CPU, as the emulated device), not into memory the C library maps afresh,
+    whose pages each fault on first touch."""
+    return int(_library().sinkax_pjrt_pool_reuses())
 
 
 def _library() -> ctypes.CDLL:

@@ -12,8 +12,8 @@
 //   * launch asynchronously, as a device stream does, also when inputs are donated (see Execute);
 //   * report each device's live and peak bytes of buffers (Device_MemoryStats, and
 //     sinkax_pjrt_memory for Python);
-//   * on a discrete device, copy large host buffers into device memory it keeps for reuse, as a
-//     device's allocator does (see Pool).
+//   * on a discrete device over XLA:CPU, copy large host buffers into device memory it keeps for
+//     reuse, as a device's allocator does (see Pool).
 //
 // Only device memory counts: a buffer in one of a device's host memory kinds (pinned_host,
 // unpinned_host) is host memory, and a copy between it and device memory is the transfer.
@@ -445,11 +445,27 @@ class Pool {
 };
 Pool* pool = new Pool;  // leaked on purpose: buffers may be destroyed as the process exits
 
+// Whether the inner plugin's device memory is host memory, as XLA:CPU's (platform "cpu"): only
+// then is memory of the forwarder's own device memory to it (over a GPU's plugin it is not).
+bool inner_memory_is_host(PJRT_Client* client) {
+  static const bool is_host = [client] {  // one inner plugin: every client's platform alike
+    PJRT_Client_PlatformName_Args name{PJRT_Client_PlatformName_Args_STRUCT_SIZE, nullptr, client,
+                                       nullptr, 0};
+    if (PJRT_Error* error = inner->PJRT_Client_PlatformName(&name)) {
+      forget(error);
+      return false;
+    }
+    return std::string(name.platform_name, name.platform_name_size) == "cpu";
+  }();
+  return is_host;
+}
+
 // The bytes of the host buffer `args` copies if the pool takes the copy, else 0: the pool takes a
 // discrete device's copies of kPooledFrom bytes or more, dense, row-major, of whole-byte elements,
-// into device memory, with no device layout asked for.
+// into device memory, with no device layout asked for, where that memory is host memory.
 size_t pooled_bytes(const PJRT_Client_BufferFromHostBuffer_Args* args) {
   if (!config.discrete || !api->PJRT_Client_CreateViewOfDeviceBuffer || args->device_layout) return 0;
+  if (!inner_memory_is_host(args->client)) return 0;
   if (args->memory && !is_device_memory(args->memory)) return 0;
   uint64_t bits = element_bits(args->type);
   if (bits == 0 || bits % 8) return 0;
