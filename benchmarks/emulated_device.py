@@ -21,7 +21,7 @@ Then ``counting overhead``: in a subprocess, the same XLA:CPU plugin registered 
 directly and once through sinkax's plugin with costs off and host buffers left as they are, so
 the only difference is the counting.
 
-    python benchmarks/emulated_device.py        # ~15 minutes on 2 cores
+    python benchmarks/emulated_device.py        # ~35 minutes on 2 cores
     python benchmarks/emulated_device.py --affinity   # compute steadier on a small machine
 """
 
