@@ -312,7 +312,7 @@ bool is_device_memory(PJRT_Memory* memory) {
 // Whether `buffer` lies in device memory (see is_device_memory).
 bool in_device_memory(PJRT_Buffer* buffer) {
   // (read from the copied table, zero past the inner plugin's own: it may predate these slots)
-  if (!api->PJRT_Buffer_Memory || !api->PJRT_Memory_Kind) return true;
+  if (!api->PJRT_Buffer_Memory) return true;
   PJRT_Buffer_Memory_Args memory{PJRT_Buffer_Memory_Args_STRUCT_SIZE, nullptr, buffer, nullptr};
   if (PJRT_Error* error = inner->PJRT_Buffer_Memory(&memory)) {
     forget(error);
@@ -465,8 +465,6 @@ bool inner_memory_is_host(PJRT_Client* client) {
 // into device memory, with no device layout asked for, where that memory is host memory.
 size_t pooled_bytes(const PJRT_Client_BufferFromHostBuffer_Args* args) {
   if (!config.discrete || !api->PJRT_Client_CreateViewOfDeviceBuffer || args->device_layout) return 0;
-  if (!inner_memory_is_host(args->client)) return 0;
-  if (args->memory && !is_device_memory(args->memory)) return 0;
   uint64_t bits = element_bits(args->type);
   if (bits == 0 || bits % 8) return 0;
   size_t bytes = bits / 8;
@@ -475,7 +473,8 @@ size_t pooled_bytes(const PJRT_Client_BufferFromHostBuffer_Args* args) {
     if (strided && args->dims[i] > 1 && args->byte_strides[i] != static_cast<int64_t>(bytes)) return 0;
     bytes *= static_cast<size_t>(args->dims[i]);
   }
-  return bytes >= kPooledFrom ? bytes : 0;
+  if (bytes < kPooledFrom || !inner_memory_is_host(args->client)) return 0;  // (shape first: no call)
+  return args->memory && !is_device_memory(args->memory) ? 0 : bytes;
 }
 
 // Copies `args`' host buffer into the pool's memory and makes `args->buffer` the inner plugin's
