@@ -119,14 +119,25 @@ def targets(w, rows, preset):
     largest = by_mode["sinkax 1000"]
     key = f"{w.name}/{preset.name}"
     checks = [
-        (f"{key}: every sink size vs plain ({worst['mode']})", worst["x plain"], 1.0, True),
         (
-            f"{key}: from sink size 10 on vs the better hand-written loop ({slowest['mode']})",
+            f"{key}: every sink size vs plain ({worst['mode']}{rounds(worst, 'x plain')})",
+            worst["x plain"],
+            1.0,
+            True,
+        ),
+        (
+            f"{key}: from sink size 10 on vs the better hand-written loop "
+            f"({slowest['mode']}{rounds(slowest, 'x hand best')})",
             slowest["x hand best"],
             1.0,
             True,
         ),
-        (f"{key}: sinkax 1000 vs its strategy's device-only bound", largest["x bound"], 0.95, True),
+        (
+            f"{key}: sinkax 1000 vs its strategy's device-only bound{rounds(largest, 'x bound')}",
+            largest["x bound"],
+            0.95,
+            True,
+        ),
     ]
     if preset.name == "balanced":
         nbytes = sum(leaf.nbytes for leaf in w.batches[0].values())
@@ -151,6 +162,13 @@ def targets(w, rows, preset):
             )
         )
     return checks
+
+
+def rounds(row, ratio):
+    """`` rounds lo-hi``: the range of ``row``'s ``ratio`` over the rounds (see
+    :func:`sink_sizes.paired`)."""
+    each = row["rounds"][ratio]
+    return f"; rounds {min(each):.2f}-{max(each):.2f}"
 
 
 COUNTING_CHILD = """
