@@ -25,7 +25,7 @@ loop over the same steps -- compile excluded for all, the producer's start inclu
 Every figure is a median over repeats, and every ratio compares figures of this one run: a ratio
 of two modes is the median of their ratios within each round (the JSON keeps each round's).
 
-    python benchmarks/sink_sizes.py            # CPU, < 5 minutes on 2 cores
+    python benchmarks/sink_sizes.py            # CPU, over 20 minutes on 2 cores
     python benchmarks/sink_sizes.py --device gpu
     python benchmarks/sink_sizes.py --affinity     # with sinkax.set_cpu_affinity(True)
 """
