@@ -165,8 +165,8 @@ def targets(w, rows, preset):
 
 
 def rounds(row, ratio):
-    """`` rounds lo-hi``: the range of ``row``'s ``ratio`` over the rounds (see
-    :func:`sink_sizes.paired`)."""
+    """``"; rounds lo-hi"``: the range of ``row``'s ``ratio`` over the rounds (see
+    :func:`sink_sizes.paired`), for a target's description."""
     each = row["rounds"][ratio]
     return f"; rounds {min(each):.2f}-{max(each):.2f}"
 

@@ -225,7 +225,7 @@ def measure(w, steps, repeats, sizes, strategy="auto", wrap=None, variants=(), *
     round-robin ``repeats`` times, so that a slow spell of a shared machine hits all modes
     alike; medians reported. Ratios: to plain, to the better hand-written loop, and to the bound
     of the strategy the sink chose (its own compute, with the data already on the device), each
-    the median of the round's ratios, which a row keeps under ``"rounds"``.
+    the median of the rounds' ratios, which a row keeps under ``"rounds"``.
     ``wrap(mode, run)``, if given, returns the run to time instead of ``run``."""
     runs, chosen = {"plain": plain(w, steps)}, {}
     for mode, make in HAND_WRITTEN:
