@@ -99,7 +99,7 @@ def test_a_caller_that_waits_for_each_call_lets_the_sizes_grow_faster(monkeypatc
     clock = itertools.count(step=1e-3)  # every call "takes" a millisecond, and compiles nothing
     monkeypatch.setattr(sizing, "now", lambda: next(clock))
     monkeypatch.setattr(compiler, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
-    dataset = indexed_map_dataset(20_000, 2, seed=None)
+    dataset = indexed_map_dataset(20_000, 2, seed=None).repeat(None)  # no epoch evens a call
     for wait in (True, False):
 
         def step(state, batch):  # compiles of its own (none count here): not the other tests'
@@ -124,7 +124,8 @@ def test_one_step_windows_measure_no_strategy_and_the_first_larger_ones_do(monke
     def step(state, batch):  # compiles and a choice of its own: not the other tests'
         return collect_index(state, batch)
 
-    with sinkax.data_sink(step, indexed_map_dataset(2_000, 2, seed=None), "auto") as sink:
+    dataset = indexed_map_dataset(2_000, 2, seed=None).repeat(None)  # no epoch evens a call
+    with sinkax.data_sink(step, dataset, "auto") as sink:
         stats = []
         for _ in range(5):
             sink(jnp.int32(0))
@@ -207,9 +208,48 @@ def test_a_resumed_sink_plans_in_the_granule_its_position_records():
 
 
 def test_a_call_ends_at_its_target_or_at_an_epochs_end():
-    sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=100, target=40)
+    sizer = sizing.CallSizer(call_seconds=1.0, epoch_length=None, target=40)
     assert not sizer.enough(39, MID_EPOCH) and sizer.enough(40, MID_EPOCH)
-    assert sizer.enough(3, Position(1, 0))
+    assert sizing.CallSizer(1.0, epoch_length=100, target=40).enough(3, Position(1, 0))
+
+
+def calls_of_an_epoch(steps, granule, target, **sizer):
+    """The steps of the calls that a :class:`~sizing.CallSizer` of ``target`` (each call
+    lasting its steps at that rate: a steady target) cuts ``steps`` into, from an epoch's
+    start, in granules of ``granule`` steps (the last cut at the end, as the producer plans)."""
+    clock = [0.0]
+    sizer = sizing.CallSizer(1.0, target=target, clock=lambda: clock[0], **sizer)
+    calls, start = [], 0
+    while start < steps:
+        sizer.started()
+        taken = 0
+        while True:
+            taken += min(granule, steps - start - taken)
+            end = start + taken
+            if sizer.enough(taken, Position(end // steps, end % steps)):
+                break
+        sizer.ended(taken, compiling=0.0)
+        clock[0] += taken / target
+        calls.append(taken)
+        start += taken
+    assert sizer.target == target
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("epoch", "target", "granule", "calls"),
+    [
+        (500, 240, 16, [256, 244]),  # not 240, 240 and 20
+        (100, 40, 4, [36, 32, 32]),  # not 40, 40 and 20
+        (250, 100, 8, [88, 88, 74]),  # three calls 17 % short of 100, not two 25 % over
+        (130, 100, 8, [130]),  # 30 % over, not 100 and 30
+        (10_000, 64, 8, [64] * 150 + [72, 72] + [64] * 4),  # never over the target mid-epoch
+    ],
+)
+def test_an_epoch_ends_in_calls_of_about_the_target_not_a_short_one(epoch, target, granule, calls):
+    assert calls_of_an_epoch(epoch, granule, target, epoch_length=epoch) == calls
+    # total_steps= ends a run alike
+    assert calls_of_an_epoch(epoch, granule, target, epoch_length=None, total_steps=epoch) == calls
 
 
 def test_a_call_that_compiles_holds_that_times_share_less_of_its_target():

@@ -2,7 +2,10 @@
 
 The producer plans an auto sink's data as *granules*, small calls of a power of two of steps
 (:meth:`CallSizer.granule`; a granule never crosses an epoch's end), and a call takes whole
-granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end. A
+granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end;
+near an epoch's end, the rest of the epoch is split evenly (:meth:`CallSizer.evened`), so that
+it ends in calls of about the target rather than one of a few steps, and a steady target cuts
+every epoch into the same calls (whose joins compile once). A
 granule is one window of the strategy, so the executables are those of a few powers of two,
 shared by every call size; once the target is the whole epoch (calls that an epoch's end cuts
 short of ``call_seconds``), the granule is the epoch: each call one window. When a call starts,
@@ -128,13 +131,37 @@ class CallSizer:
         self, steps: int, position: Position, compiling: float = 0.0, windows: int = 1
     ) -> bool:
         """Whether a call that has run ``steps`` in ``windows`` up to ``position`` (the batch
-        after its last granule) ends there: it holds its target or :data:`MAX_WINDOWS`, an
-        epoch ended, or the sink's steps did. A call that spent ``compiling`` seconds compiling
-        holds that time's share of ``call_seconds`` less of its target: it lasts about
-        ``call_seconds`` still."""
-        target = self.target * (1 - compiling / self.call_seconds)
-        ended = position.step == 0 or steps == self.steps_left()
-        return steps >= target or windows >= MAX_WINDOWS or ended
+        after its last granule) ends there: it holds its share of what is left of the epoch
+        (:meth:`evened`) or :data:`MAX_WINDOWS`, an epoch ended, or the sink's steps did. A
+        call that spent ``compiling`` seconds compiling holds that time's share of
+        ``call_seconds`` less of its target: it lasts about ``call_seconds`` still."""
+        if position.step == 0 or steps == self.steps_left() or windows >= MAX_WINDOWS:
+            return True
+        return steps >= self.evened(steps, position) * (1 - compiling / self.call_seconds)
+
+    def evened(self, steps: int, position: Position) -> float:
+        """The steps a call that has run ``steps`` up to ``position`` holds: what is left of
+        the epoch (and of ``total_steps``) from the call's start, cut into as many equal calls
+        as make each at most the target -- unless those fall more than :data:`KEPT_SIZE` short
+        of it and one call fewer comes nearer it -- so that an epoch ends in calls of about the
+        target, not with one of a few steps, and a steady target cuts every epoch alike; the
+        target itself where neither bound is known.
+
+        >>> sizer = CallSizer(call_seconds=1.0, epoch_length=500, target=240)
+        >>> sizer.evened(16, Position(0, 16)), sizer.evened(16, Position(0, 272))
+        (250.0, 244.0)
+        """
+        whole = self.steps_left()  # the call's steps, if it ran to the end
+        if self.epoch_length is not None:
+            in_epoch = steps + self.epoch_length - position.step
+            whole = in_epoch if whole is None else min(whole, in_epoch)
+        if whole is None:
+            return self.target
+        calls = -(-whole // self.target)  # the fewest calls of at most the target
+        even, fewer = whole / calls, whole / max(1, calls - 1)
+        if self.target - even <= KEPT_SIZE * self.target:
+            return even  # (never more than the target: no granule more than it holds)
+        return min(even, fewer, key=lambda size: abs(size - self.target))
 
     def started(self, last: Any = None) -> None:
         """A call starts: the latest calls, timed from the first one's start to now less the
