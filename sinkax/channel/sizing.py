@@ -2,10 +2,10 @@
 
 The producer plans an auto sink's data as *granules*, small calls of a power of two of steps
 (:meth:`CallSizer.granule`; a granule never crosses an epoch's end), and a call takes whole
-granules until it holds its target steps (:attr:`CallSizer.target`) or reaches an epoch's end;
-near an epoch's end, the rest of the epoch is split evenly (:meth:`CallSizer.evened`), so that
-it ends in calls of about the target rather than one of a few steps, and a steady target cuts
-every epoch into the same calls (whose joins compile once). A
+granules until it holds its share of what is left of the epoch, split evenly into calls of
+about the target steps (:meth:`CallSizer.evened`, :attr:`CallSizer.target`), or reaches an
+epoch's end: an epoch ends in calls of about the target rather than one of a few steps, and a
+steady target cuts every epoch into the same calls (whose joins compile once). A
 granule is one window of the strategy, so the executables are those of a few powers of two,
 shared by every call size; once the target is the whole epoch (calls that an epoch's end cuts
 short of ``call_seconds``), the granule is the epoch: each call one window. When a call starts,
@@ -160,7 +160,7 @@ class CallSizer:
         calls = -(-whole // self.target)  # the fewest calls of at most the target
         even, fewer = whole / calls, whole / max(1, calls - 1)
         if self.target - even <= KEPT_SIZE * self.target:
-            return even  # (never more than the target: no granule more than it holds)
+            return even  # at most the target: no more granules than a call of the target
         return min(even, fewer, key=lambda size: abs(size - self.target))
 
     def started(self, last: Any = None) -> None:
