@@ -96,7 +96,8 @@ class Sink:
         stops before anything runs.
         """
         handoff = interrupt.Handoff.opened()  # passes Ctrl-C on until the call says otherwise
-        result = self._call(handoff, state)  # freeing its arrays may let go of the interpreter
+        with self._cursor.ring.quiet:  # its producer pauses meanwhile (see channel.quiet)
+            result = self._call(handoff, state)  # freeing its arrays may let go of the lock
         interrupt.checkpoint()  # lock: a Ctrl-C meanwhile is handled here, not in the caller
         self._running = False
         handoff.state = None  # a store, no call: see interrupt.Handoff
@@ -138,7 +139,7 @@ class Sink:
                         carry = copy_tree(carry)
                 carry, outs = executor.run(carry, data, offset, piece.steps)
                 del data  # the next piece may free its slot: hold no reference past it
-                outs, kept = executor.checked(carry, outs, piece.steps)
+                outs, kept = executor.checked(carry, outs, piece.steps, cursor.ring.quiet)
                 if kept < piece.steps:  # stop_if_nonfinite: a step was not finite
                     outs, stopped = guard.split(outs, kept)
                 parts.append(outs)  # from here on, an interrupted call has consumed data
@@ -210,9 +211,8 @@ class Sink:
             self._running = False
 
     def reselect(self) -> None:
-        """Let ``"auto"`` measure its candidates again at the next call (e.g. after the machine's
-        load changed) instead of reusing the choice made for this step function before; the new
-        choice replaces it."""
+        """Let ``"auto"`` measure its candidates again at the next call (e.g. after the load
+        changed) rather than reuse this step function's earlier choice, which the new replaces."""
         self._executor.reselect()
 
     def lower(self, state: Any = NO_STATE) -> jax.stages.Lowered:

@@ -48,6 +48,14 @@ class Closed:
     """Handed out once the ring is closed: wakes a waiting consumer."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A batch already checked, as its leaves: read into a chunk the consumer cut short, it
+    starts the producer's next chunk."""
+
+    leaves: list[Any]
+
+
 @dataclasses.dataclass
 class ChannelStats:
     """What the producer did, written by its thread only, and ``data_wait_s``, the consumer's

@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -124,6 +125,7 @@ class Build:
     carry: list[Any] = dataclasses.field(default_factory=list)  # batches read past them
     held: list[tuple[int, list[np.ndarray]]] = dataclasses.field(default_factory=list)
     copying: list[Copy] = dataclasses.field(default_factory=list)  # handed to copiers
+    pause: Callable[[], None] = lambda: None  # feeders' between batches (see channel.quiet)
 
 
 class Packer(Protocol):
@@ -183,7 +185,7 @@ class Stacked:
 
     def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
         if self._pool is None:
-            copy_rows(build.staging, [(build.filled, leaves)])
+            copy_rows(build.staging, [(build.filled, leaves)], build.pause)
             return
         build.held.append((build.filled, leaves))  # the source keeps them: copied later
         if len(build.held) == self._share * self._copiers:
@@ -193,7 +195,7 @@ class Stacked:
         """The held batches to the copiers, ``share`` each (in the producer's thread, which
         starts them, and so lends them its CPU binding)."""
         for k in range(0, len(build.held), share):
-            copy = Copy(build.staging, build.held[k : k + share])
+            copy = Copy(build.staging, build.held[k : k + share], build.pause)
             self._pool.submit(copy.run)
             build.copying.append(copy)
         build.held = []
@@ -204,7 +206,7 @@ class Stacked:
         leaves nothing half done)."""
         if by_copiers and build.held:
             self._hand_over(build, -(-len(build.held) // self._copiers))
-        copy_rows(build.staging, build.held)
+        copy_rows(build.staging, build.held, build.pause)
         build.held = []
         while build.copying:
             build.copying[0].wait()
@@ -232,10 +234,15 @@ class Stacked:
         return [[np.array(b[i]) for b in build.staging] for i in range(steps, build.filled)]
 
 
-def copy_rows(staging: list[np.ndarray], rows: list[tuple[int, list[np.ndarray]]]) -> None:
+def copy_rows(
+    staging: list[np.ndarray],
+    rows: list[tuple[int, list[np.ndarray]]],
+    pause: Callable[[], None] = lambda: None,
+) -> None:
     """Each ``(i, leaves)`` of ``rows`` into row ``i`` of the ``staging`` buffers (numpy lets
-    go of the interpreter lock while it copies)."""
+    go of the interpreter lock while it copies), calling ``pause()`` before each."""
     for i, leaves in rows:
+        pause()
         for buffer, leaf in zip(staging, leaves, strict=True):
             buffer[i] = leaf
 
@@ -244,15 +251,20 @@ class Copy:
     """Rows to copy into ``staging`` (see :func:`copy_rows`), by a copier thread: :meth:`run`
     there, :meth:`wait` for it -- on a plain lock, held until the rows are in, and a flag."""
 
-    def __init__(self, staging: list[np.ndarray], rows: list[tuple[int, list[np.ndarray]]]):
-        self._staging, self._rows = staging, rows
+    def __init__(
+        self,
+        staging: list[np.ndarray],
+        rows: list[tuple[int, list[np.ndarray]]],
+        pause: Callable[[], None],
+    ):
+        self._staging, self._rows, self._pause = staging, rows, pause
         self._done, self._finished = threading.Lock(), False
         self._done.acquire()
         self._error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            copy_rows(self._staging, self._rows)
+            copy_rows(self._staging, self._rows, self._pause)
         except BaseException as error:  # raised by wait(), in the thread that packs
             self._error = error
         finally:

@@ -17,7 +17,8 @@ A consumer that finds no chunk ready within :data:`CUT_AFTER_S` takes the comple
 chunk being filled (a *cut*; the producer carries the batches it read past them over to its next
 chunk), so a slow batch never holds back a call whose batches were all read; its wait lasts
 until the producer has read no batch for ``timeout`` seconds. In both, the producer's waits for
-the device to free a slot do not count (the device has work queued then). The consumer side
+the device to free a slot do not count (the device has work queued then). While a call runs
+on the host the producer pauses between batches (:attr:`DeviceRing.quiet`). The consumer side
 uses C queues and plain locks only, never an ``Event`` or ``Condition``, whose Python code a
 Ctrl-C in the consumer can interrupt half done.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import itertools
 import queue
 import threading
@@ -37,9 +37,10 @@ import jax
 import numpy as np
 
 from sinkax import affinity
-from sinkax.channel.chunk import ChannelStats, Chunk, Closed, Failure, Piece
+from sinkax.channel.chunk import ChannelStats, Chunk, Closed, Failure, Piece, Row
 from sinkax.channel.packers import Build, Packer
 from sinkax.channel.plan import Layout, Plan, steps_of
+from sinkax.channel.quiet import Quiet
 from sinkax.channel.source import Source
 from sinkax.channel.stopwatch import Stopwatch
 from sinkax.errors import SinkClosedError, SinkExhaustedError, SinkTimeoutError
@@ -91,6 +92,7 @@ class DeviceRing:
         self._on_device = Stopwatch()  # the producer waiting for the device to free a slot
         self.spec: BatchSpec | None = None
         self.failed = False
+        self.quiet = Quiet()  # a call holds it: the producer and its copiers, ahead, pause
         self.stats = ChannelStats()
         self._thread = threading.Thread(target=self._produce, name="sinkax-producer", daemon=True)
         self._thread.start()
@@ -115,7 +117,7 @@ class DeviceRing:
             self.spec = spec
             self._spec_known = True
             self._spec_pending.release()
-            pending = [_Row(check(spec, first, start))]  # checked here, at its position
+            pending = [Row(check(spec, first, start))]  # checked here, at its position
             layouts = self._plan(self.spec, start)
             # ragged_last from an epoch's last batch, maybe short: the next full batch sets the
             # layout (read in turn: nothing read ahead), the plan, by the first, one batch a chunk
@@ -149,6 +151,12 @@ class DeviceRing:
         batch = next(self._source)
         self.stats.batches, self.last_progress = self.stats.batches + 1, time.monotonic()
         return batch
+
+    def _pause(self) -> None:
+        """Between batches: wait for a call running on the host, unless it may need this chunk
+        (none is ready): the producer is ahead then, and goes on when the call ends."""
+        if not self._ready.empty():
+            self.quiet.pause()
 
     def _acquire_slot(self) -> list[np.ndarray] | None:
         """A free slot's staging buffers (``[]`` if not allocated yet), once the compute on its
@@ -186,7 +194,7 @@ class DeviceRing:
         """
         spec = self.spec
         assert spec is not None
-        build = Build(staging, time.perf_counter())
+        build = Build(staging, time.perf_counter(), pause=self._pause)
         with self._lock:
             self._building = build
         pending = collections.deque(pending)
@@ -194,9 +202,10 @@ class DeviceRing:
         try:
             for piece_steps, ends_call in layout:
                 for _ in range(piece_steps):  # per batch: kept to the least Python
+                    build.pause()
                     where = source.position
                     batch = pending.popleft() if pending else self._read()
-                    if type(batch) is _Row:  # checked when it was first read
+                    if type(batch) is Row:  # checked when it was first read
                         leaves = batch.leaves
                     else:
                         last = ragged and where.step + 1 == source.epoch_length
@@ -207,7 +216,7 @@ class DeviceRing:
                     with self._lock:
                         if build.taken is not None:  # the batch starts the next chunk
                             self._building = None
-                            return layout[build.taken :], [*build.carry, _Row(leaves), *pending]
+                            return layout[build.taken :], [*build.carry, Row(leaves), *pending]
                         write(build, spec, leaves)
                         build.filled += 1
                     if self._stopped:
@@ -259,14 +268,15 @@ class DeviceRing:
             steps = sum(piece.steps for piece in build.pieces)
             # rows past the pieces, copied before the slot can be reused (and before the build
             # is marked taken: a Ctrl-C in the copy leaves the producer to go on with it)
-            build.carry = [_Row(leaves) for leaves in self.packer.rows(build, steps)]
+            build.carry = [Row(leaves) for leaves in self.packer.rows(build, steps)]
             build.taken = len(build.pieces)
             return self._transfer(build)
 
     def first_spec(self, timeout: float) -> BatchSpec:
         """The spec of the first batch, waiting for it up to ``timeout`` seconds."""
-        if not self._spec_known and self._spec_pending.acquire(timeout=timeout):
-            self._spec_pending.release()
+        with self.quiet.lifted(not self._spec_known):
+            if not self._spec_known and self._spec_pending.acquire(timeout=timeout):
+                self._spec_pending.release()
         if not self._spec_known:
             raise SinkTimeoutError(f"No first batch arrived within {timeout:.1f} s.")
         if self.spec is None:
@@ -282,7 +292,8 @@ class DeviceRing:
         after ``timeout`` s with no batch read; ``SinkClosedError`` once closed."""
         t0, device = time.perf_counter(), self._on_device.seconds()
         try:
-            item = self._wait(timeout)
+            with self.quiet.lifted(self._ready.empty()):
+                item = self._wait(timeout)
         finally:
             self._consumer_waiting = False
             waited = time.perf_counter() - t0 - (self._on_device.seconds() - device)
@@ -341,10 +352,3 @@ class DeviceRing:
 
 class _Stopped(Exception):
     """The ring was closed while a chunk was being built."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Row:
-    """A batch already checked, as its leaves: read into a chunk the consumer cut short."""
-
-    leaves: list[np.ndarray]

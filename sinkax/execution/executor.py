@@ -30,6 +30,7 @@ import numpy as np
 from sinkax import placement
 from sinkax.backend import backend_of
 from sinkax.channel.plan import chunk_steps
+from sinkax.channel.quiet import Quiet
 from sinkax.config import SinkConfig
 from sinkax.execution import choice as strategies
 from sinkax.execution.auto import Auto
@@ -298,14 +299,16 @@ class Executor:
         """What the last window's compute makes: ready once it is done (see ``Strategy``)."""
         return self._strategy.done
 
-    def checked(self, carry: Any, outs: Any, steps: int) -> tuple[Any, int]:
+    def checked(self, carry: Any, outs: Any, steps: int, quiet: Quiet) -> tuple[Any, int]:
         """A window's ``outs`` and the steps of its ``steps`` that ran: all, unless guarded
         (``stop_if_nonfinite``) and a step was not finite -- which this waits for the window to
-        tell, reading its flag."""
+        tell, reading its flag (``quiet`` lifted meanwhile: the producer goes on)."""
         if self._watch is None:
             return outs, steps
         outs, flags = outs
-        if bool(carry[1]):
+        with quiet.lifted():
+            finite = bool(carry[1])
+        if finite:
             return outs, steps
         self._stopped = True  # the next call starts with a new flag
         return outs, int(np.sum(flags))

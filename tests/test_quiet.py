@@ -1,0 +1,137 @@
+"""The threads that feed a sink pause between batches while one of its calls runs on the host
+(:mod:`sinkax.channel.quiet`): they wait for the call, for a bounded time, and not while it
+waits for them. Whether that makes calls faster is a benchmark's question
+(``benchmarks/call_overhead.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import sinkax
+from sinkax.channel import quiet as quiet_module
+from sinkax.channel.quiet import Quiet
+from sinkax.execution.executor import Executor
+
+LONG = 30.0  # a limit no test reaches: a feeder that waits, waits for the call
+
+
+def feeder(quiet: Quiet) -> threading.Thread:
+    """A thread that pauses once, as a producer does before a batch."""
+    thread = threading.Thread(target=quiet.pause)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def long_limit(monkeypatch):
+    monkeypatch.setattr(quiet_module, "LIMIT_S", LONG)
+
+
+def test_a_feeder_waits_while_a_call_runs_and_goes_on_when_it_ends(long_limit):
+    quiet = Quiet()
+    with quiet:
+        waiting = feeder(quiet)
+        waiting.join(0.2)
+        assert waiting.is_alive()
+    waiting.join(LONG / 2)
+    assert not waiting.is_alive()
+
+
+def test_a_feeder_goes_on_while_the_call_waits_for_data_or_the_device(long_limit):
+    quiet = Quiet()
+    with quiet:
+        with quiet.lifted():
+            free = feeder(quiet)
+            free.join(LONG / 2)
+            assert not free.is_alive()
+        waiting = feeder(quiet)  # held again after the wait
+        waiting.join(0.2)
+        assert waiting.is_alive()
+    waiting.join(LONG / 2)
+    assert not waiting.is_alive()
+
+
+def test_a_feeder_waits_for_one_call_no_longer_than_the_limit(monkeypatch):
+    monkeypatch.setattr(quiet_module, "LIMIT_S", 0.05)
+    quiet = Quiet()
+    with quiet:
+        waiting = feeder(quiet)
+        waiting.join(LONG / 2)  # a call that never ends holds no feeder for good
+        assert not waiting.is_alive()
+
+
+def test_the_calling_thread_never_waits_for_its_own_call(long_limit):
+    quiet = Quiet()
+    with quiet:
+        t0 = time.monotonic()
+        quiet.pause()  # (a consumer that copies a cut chunk's rows itself does)
+        assert time.monotonic() - t0 < LONG / 2
+
+
+def test_a_call_that_fails_lets_its_feeders_go_on(long_limit):
+    quiet = Quiet()
+    with pytest.raises(KeyboardInterrupt), quiet:
+        raise KeyboardInterrupt
+    free = feeder(quiet)
+    free.join(LONG / 2)
+    assert not free.is_alive()
+
+
+class Timed:
+    """Numbered batches, the time each was read recorded."""
+
+    def __init__(self, n: int):
+        self.batches = [{"x": np.full((4,), i, np.float32)} for i in range(n)]
+        self.read: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.read.append(time.monotonic())
+            yield batch
+
+
+def test_a_sinks_producer_reads_no_batch_while_a_call_runs_on_the_host(monkeypatch, long_limit):
+    """A call of 4 steps over chunks of 2 batches frees its first chunk's slot as it moves to
+    the second; the producer, which could then refill the slot, waits for the call to end.
+    Each window's dispatch is made 0.2 s slow, which the producer would otherwise use."""
+    run, dispatched = Executor.run, []
+
+    def slow_run(self, *args):
+        result = run(self, *args)
+        time.sleep(0.2)
+        dispatched.append(time.monotonic())
+        return result
+
+    monkeypatch.setattr(Executor, "run", slow_run)
+    data = Timed(40)
+    chunk_bytes = 2 * data.batches[0]["x"].nbytes
+    with sinkax.data_sink(
+        lambda n, b: (n + b["x"][0], b["x"][0]),
+        data,
+        sink_size=4,
+        max_chunk_bytes=chunk_bytes,
+        prefetch=2,
+        strategy="scan",
+    ) as sink:
+        n, _ = sink(np.float32(0))  # compiles; the producer fills the ring meanwhile
+        jax.block_until_ready(n)
+        deadline = time.monotonic() + LONG
+        while len(data.read) < 8 and time.monotonic() < deadline:  # 2 slots of 2 ahead
+            time.sleep(0.01)
+        time.sleep(0.2)  # the producer waits for a free slot
+        before, dispatched[:] = len(data.read), []
+        n, outs = sink(n)
+        jax.block_until_ready(n)
+        while len(data.read) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert before == 8 and outs.tolist() == [4.0, 5.0, 6.0, 7.0] and len(dispatched) == 2
+    assert len(data.read) > before  # it refilled the slot the call freed ...
+    assert min(data.read[before:]) > dispatched[-1]  # ... once the call's windows had run
