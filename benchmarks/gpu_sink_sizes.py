@@ -9,7 +9,9 @@ device-only bounds), medians over repeats; then (but for the transformer), at si
 by DMA), ``no copiers``: the sink of the same batches as an iterable that is no list, which
 the producer copies one by one before it reads the next, where a list's are copied by copier
 threads (on a host of 8 cores or more; see sinkax.channel.packers), and ``1 copier``: the
-list's batches copied by one such thread instead of up to 4, and ``XLA defaults``: the sink
+list's batches copied by one such thread instead of up to 4, ``not quiet``: the producer and
+its copiers never paused while a call runs on the host (sinkax.channel.quiet), and ``XLA
+defaults``: the sink
 compiled with ``compiler_options={}`` (on CUDA, its loops then out of command buffers: the
 host launches each trip's kernels), timed in the same round-robin. Per sink size also ``first
 call s``: a fresh sink's first call once its executables are compiled (the producer's start and
@@ -38,7 +40,7 @@ from _common import fresh, machine, pay_first_use, table, workload
 
 import sinkax
 from sinkax.backend import backend_of
-from sinkax.channel import packers
+from sinkax.channel import packers, quiet
 
 WORKLOADS = ("mlp", "lenet", "transformer")
 SIZES, DRY_SIZES = (1, 10, 100, 1000, -1), (1, 2, -1)
@@ -71,22 +73,28 @@ class Iterated:
         return iter(self.batches)
 
 
-def one_copier(mode, run):
+def varying(mode, run):
     """``run`` with its sinks' batches copied by one copier thread instead of
     :func:`~sinkax.channel.packers.spare_copiers`' (4 on a host of 16 cores), for the modes
     named ``1 copier N``: whether fewer threads beside the calls, each handed more batches at
-    once, leave their launches freer."""
-    if not mode.startswith("1 copier"):
+    once, leave their launches freer; with the feeders never paused for a call
+    (:mod:`sinkax.channel.quiet`), for those named ``not quiet N``."""
+    module, name, value = {
+        "1 copier": (packers, "spare_copiers", lambda: 1),
+        "not quiet": (quiet, "LIMIT_S", 0.0),
+    }.get(" ".join(mode.split()[:2]), (None, None, None))
+    if module is None:
         return run
 
-    def with_one():
-        spare, packers.spare_copiers = packers.spare_copiers, lambda: 1
+    def with_value():
+        kept = getattr(module, name)
+        setattr(module, name, value)
         try:
             return run()
         finally:
-            packers.spare_copiers = spare
+            setattr(module, name, kept)
 
-    return with_one
+    return with_value
 
 
 def bench(w, steps, repeats, sizes, varied):
@@ -99,8 +107,9 @@ def bench(w, steps, repeats, sizes, varied):
     variants = [(f"pinned {size}", size, w, {"pin_memory": True}) for size in varied]
     variants += [(f"no copiers {size}", size, iterated, {}) for size in varied]
     variants += [(f"1 copier {size}", size, w, {}) for size in varied]
+    variants += [(f"not quiet {size}", size, w, {}) for size in varied]
     variants += [(f"XLA defaults {size}", size, w, {"compiler_options": {}}) for size in varied]
-    rows = sink_sizes.measure(w, steps, repeats, sizes, variants=variants, wrap=one_copier)
+    rows = sink_sizes.measure(w, steps, repeats, sizes, variants=variants, wrap=varying)
     for row in rows:
         if row["mode"] in cold:
             size = -1 if "epoch" in row["mode"] else int(row["mode"].split()[1])
