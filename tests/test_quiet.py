@@ -56,6 +56,21 @@ def test_a_feeder_goes_on_while_the_call_waits_for_data_or_the_device(long_limit
     assert not waiting.is_alive()
 
 
+def test_a_feeder_the_call_may_be_waiting_for_never_pauses(long_limit):
+    chunks_ready = 0
+    quiet = Quiet(ahead=lambda: chunks_ready)
+    with quiet:
+        behind = feeder(quiet)  # no chunk ready: the call may need this one
+        behind.join(LONG / 2)
+        assert not behind.is_alive()
+        chunks_ready = 1
+        ahead = feeder(quiet)
+        ahead.join(0.2)
+        assert ahead.is_alive()
+    ahead.join(LONG / 2)
+    assert not ahead.is_alive()
+
+
 def test_a_feeder_waits_for_one_call_no_longer_than_the_limit(monkeypatch):
     monkeypatch.setattr(quiet_module, "LIMIT_S", 0.05)
     quiet = Quiet()

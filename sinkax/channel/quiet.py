@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -35,10 +36,12 @@ class Quiet:
     """Between one consumer (the thread that calls a sink) and the threads that feed it.
 
     ``with quiet:`` around a call holds the feeders back while inside (unless a feeder holds
-    the lock this instant: then that call goes without).
+    the lock this instant: then that call goes without), while ``ahead()`` is not 0: the ring
+    passes the number of chunks ready, so that a producer the calls wait for never pauses.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ahead: Callable[[], int] = lambda: 1) -> None:
+        self._ahead = ahead  # what is ready for the consumer: feeders pause only then
         self._lock = threading.Lock()  # held by the consumer while a call runs on the host
         self._since = 0.0  # when it took it
         self._holder: int | None = None  # the consumer's thread, while it holds it
@@ -60,8 +63,9 @@ class Quiet:
         return _Lifted(self) if lift and self._holder is not None else _NOTHING
 
     def pause(self) -> None:
-        """For a feeder, between two batches: wait while a call runs, up to :data:`LIMIT_S`."""
-        if self._lock.locked() and self._holder != threading.get_ident():
+        """For a feeder, between two batches: wait while a call runs, up to :data:`LIMIT_S`,
+        if it is ahead (``ahead()``: chunks are ready); else the call may need its batches."""
+        if self._lock.locked() and self._holder != threading.get_ident() and self._ahead():
             left = self._since + LIMIT_S - time.monotonic()
             if left > 0 and self._lock.acquire(timeout=left):
                 self._lock.release()

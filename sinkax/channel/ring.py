@@ -92,7 +92,7 @@ class DeviceRing:
         self._on_device = Stopwatch()  # the producer waiting for the device to free a slot
         self.spec: BatchSpec | None = None
         self.failed = False
-        self.quiet = Quiet()  # a call holds it: the producer and its copiers, ahead, pause
+        self.quiet = Quiet(ahead=self._ready.qsize)  # a call holds it: its feeders pause
         self.stats = ChannelStats()
         self._thread = threading.Thread(target=self._produce, name="sinkax-producer", daemon=True)
         self._thread.start()
@@ -152,12 +152,6 @@ class DeviceRing:
         self.stats.batches, self.last_progress = self.stats.batches + 1, time.monotonic()
         return batch
 
-    def _pause(self) -> None:
-        """Between batches: wait for a call running on the host, unless it may need this chunk
-        (none is ready): the producer is ahead then, and goes on when the call ends."""
-        if not self._ready.empty():
-            self.quiet.pause()
-
     def _acquire_slot(self) -> list[np.ndarray] | None:
         """A free slot's staging buffers (``[]`` if not allocated yet), once the compute on its
         last chunk is done; ``None`` once stopped."""
@@ -194,7 +188,7 @@ class DeviceRing:
         """
         spec = self.spec
         assert spec is not None
-        build = Build(staging, time.perf_counter(), pause=self._pause)
+        build = Build(staging, time.perf_counter(), pause=self.quiet.pause)
         with self._lock:
             self._building = build
         pending = collections.deque(pending)
