@@ -1,16 +1,18 @@
 """The threads that feed a sink pause between batches while one of its calls runs on the host
 (:mod:`sinkax.channel.quiet`): they wait for the call, for a bounded time, and not while it
 waits for them. Whether that makes calls faster is a benchmark's question
-(``benchmarks/call_overhead.py``)."""
+(``benchmarks/quiet_feeders.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import jax
 import numpy as np
 import pytest
+from conftest import ctrl_c_at_check
 
 import sinkax
 from sinkax.channel import quiet as quiet_module
@@ -97,6 +99,42 @@ def test_a_call_that_fails_lets_its_feeders_go_on(long_limit):
     assert not free.is_alive()
 
 
+def test_a_call_refused_as_another_runs_leaves_that_ones_hold(long_limit):
+    quiet = Quiet()
+    with quiet:
+
+        def refused_call():
+            with quiet:  # taken: this call goes without, and lets go of nothing
+                pass
+
+        refused = threading.Thread(target=refused_call)
+        refused.start()
+        refused.join(LONG / 2)
+        waiting = feeder(quiet)
+        waiting.join(0.2)
+        assert waiting.is_alive()  # held still
+        with quiet.lifted():
+            waiting.join(LONG / 2)
+            assert not waiting.is_alive()
+
+
+@pytest.mark.parametrize("k", range(6))
+def test_a_hold_a_ctrl_c_cut_short_is_taken_again_by_a_later_call(monkeypatch, long_limit, k):
+    quiet = Quiet()
+    with quiet:  # an earlier call, long ago
+        pass
+    monkeypatch.setattr(quiet_module, "STUCK_S", 0.0)
+    with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k, Quiet.__enter__):
+        quiet.__enter__()  # may leave the lock taken by no call
+    quiet.__exit__()
+    with quiet:
+        waiting = feeder(quiet)
+        waiting.join(0.2)
+        assert waiting.is_alive()
+    waiting.join(LONG / 2)
+    assert not waiting.is_alive()
+
+
 class Timed:
     """Numbered batches, the time each was read recorded."""
 
@@ -114,9 +152,10 @@ class Timed:
 
 
 def test_a_sinks_producer_reads_no_batch_while_a_call_runs_on_the_host(monkeypatch, long_limit):
-    """A call of 4 steps over chunks of 2 batches frees its first chunk's slot as it moves to
-    the second; the producer, which could then refill the slot, waits for the call to end.
-    Each window's dispatch is made 0.2 s slow, which the producer would otherwise use."""
+    """A call of 4 steps over chunks of 2 batches frees the slot of the chunk before as it
+    moves to its first; the producer, which could then refill the slot, waits for the call to
+    end: a chunk stays ready ahead throughout (prefetch 3), whenever it gets there. Each
+    window's dispatch is made 0.2 s slow, which the producer would otherwise use."""
     run, dispatched = Executor.run, []
 
     def slow_run(self, *args):
@@ -133,13 +172,15 @@ def test_a_sinks_producer_reads_no_batch_while_a_call_runs_on_the_host(monkeypat
         data,
         sink_size=4,
         max_chunk_bytes=chunk_bytes,
-        prefetch=2,
+        prefetch=3,
         strategy="scan",
     ) as sink:
-        n, _ = sink(np.float32(0))  # compiles; the producer fills the ring meanwhile
-        jax.block_until_ready(n)
+        t0 = time.monotonic()
+        n, _ = sink(np.float32(0))  # compiles; the producer fills the ring meanwhile, and
+        first_call_s = time.monotonic() - t0  # pauses once a chunk is ready, until the call
+        jax.block_until_ready(n)  # waits for the next: it lets the producer go on then
         deadline = time.monotonic() + LONG
-        while len(data.read) < 8 and time.monotonic() < deadline:  # 2 slots of 2 ahead
+        while len(data.read) < 10 and time.monotonic() < deadline:  # 3 slots of 2 ahead
             time.sleep(0.01)
         time.sleep(0.2)  # the producer waits for a free slot
         before, dispatched[:] = len(data.read), []
@@ -147,6 +188,7 @@ def test_a_sinks_producer_reads_no_batch_while_a_call_runs_on_the_host(monkeypat
         jax.block_until_ready(n)
         while len(data.read) == before and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert before == 8 and outs.tolist() == [4.0, 5.0, 6.0, 7.0] and len(dispatched) == 2
+    assert first_call_s < LONG / 2  # not a wait for the producer's pause to time out
+    assert before == 10 and outs.tolist() == [4.0, 5.0, 6.0, 7.0] and len(dispatched) == 2
     assert len(data.read) > before  # it refilled the slot the call freed ...
     assert min(data.read[before:]) > dispatched[-1]  # ... once the call's windows had run

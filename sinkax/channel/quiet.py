@@ -30,6 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 LIMIT_S = 5e-4  # a feeder waits this long at most for one call (a call's host part: 20-60 µs)
+STUCK_S = 1.0  # the lock taken this long, by no call: left so by a Ctrl-C, replaced
 
 
 class Quiet:
@@ -43,32 +44,41 @@ class Quiet:
     def __init__(self, ahead: Callable[[], int] = lambda: 1) -> None:
         self._ahead = ahead  # what is ready for the consumer: feeders pause only then
         self._lock = threading.Lock()  # held by the consumer while a call runs on the host
-        self._since = 0.0  # when it took it
+        self._since = 0.0  # when it last took it
         self._holder: int | None = None  # the consumer's thread, while it holds it
 
     def __enter__(self) -> Quiet:
-        if self._lock.acquire(blocking=False):  # a Ctrl-C from here on leaves it taken, with
-            self._since = time.monotonic()  # no holder and an old start: feeders pass it by
-            self._holder = threading.get_ident()
+        me, lock = threading.get_ident(), self._lock
+        if not lock.acquire(blocking=False):
+            if self._holder is not None or time.monotonic() - self._since < STUCK_S:
+                return self  # another call holds it, or a feeder this instant: go without
+            # Taken by no call since long: a Ctrl-C landed between an acquire and its holder.
+            # A new lock then (a feeder that holds the old one releases that one).
+            lock = self._lock = threading.Lock()
+            lock.acquire()
+        self._since = time.monotonic()
+        self._holder = me
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._holder is not None:
+        if self._holder == threading.get_ident():  # (not a call refused as another runs)
             self._holder = None  # first: a Ctrl-C between the two never releases it twice
             self._lock.release()
 
     def lifted(self, lift: bool = True) -> AbstractContextManager[Any]:
         """Inside ``with quiet:``: let the feeders go on while the call waits for them or the
         device (if ``lift``)."""
-        return _Lifted(self) if lift and self._holder is not None else _NOTHING
+        held = lift and self._holder == threading.get_ident()
+        return _Lifted(self) if held else _NOTHING
 
     def pause(self) -> None:
         """For a feeder, between two batches: wait while a call runs, up to :data:`LIMIT_S`,
         if it is ahead (``ahead()``: chunks are ready); else the call may need its batches."""
-        if self._lock.locked() and self._holder != threading.get_ident() and self._ahead():
+        lock = self._lock
+        if lock.locked() and self._holder != threading.get_ident() and self._ahead():
             left = self._since + LIMIT_S - time.monotonic()
-            if left > 0 and self._lock.acquire(timeout=left):
-                self._lock.release()
+            if left > 0 and lock.acquire(timeout=left):
+                lock.release()
 
 
 class _Lifted:
