@@ -13,7 +13,8 @@ there is):
   the bound: what quiet feeders cost the data path.
 
 The calls' wall times (``time.perf_counter`` around each call) over ``--calls`` calls per run,
-pooled over ``--repeats`` interleaved runs; quiet off is ``quiet.LIMIT_S = 0``.
+pooled over ``--repeats`` interleaved runs (each setting first in every other round: the first
+runs slower); quiet off is ``quiet.LIMIT_S = 0``.
 
     python benchmarks/quiet_feeders.py --affinity  # ~1 minute: the producer on its own CPU
 """
@@ -95,9 +96,9 @@ def main(argv=None):
     binding = bind_cpus(args.affinity)
     batches = workload("mlp", 250).batches
     seconds = {(mode, name): [] for mode in ("idle", "refilling", "steady") for name in LIMITS}
-    for _ in range(args.repeats):  # the settings take turns: a change of load hits them all
-        for name, limit in LIMITS.items():
-            quiet.LIMIT_S = limit
+    for repeat in range(args.repeats):  # the settings take turns, first each in turn
+        for name in list(LIMITS)[:: 1 if repeat % 2 else -1]:
+            quiet.LIMIT_S = LIMITS[name]
             seconds["idle", name] += timed_calls(batches, args.calls, refilling=False)
             seconds["refilling", name] += timed_calls(batches, args.calls, refilling=True)
             seconds["steady", name].append(steady_rate(batches, args.steady_steps))
