@@ -114,8 +114,7 @@ def main(argv=None):
             rows[-1]["p90 us"] = us[9 * len(us) // 10]
     print(f"quiet feeders ({machine()['device']}, jax {jax.__version__}{binding})")
     print(table(rows, ["mode", "feeders", "mean us", "median us", "p90 us", "steps/s"]))
-    payload = {"rows": rows, "raw": {f"{m}, {n}": v for (m, n), v in seconds.items()}}
-    payload["settings"] = vars(args)
+    payload = {"rows": rows, "settings": vars(args)}
     save(f"quiet_feeders{binding}", payload, lambda plt: plot(rows, plt))
 
 

@@ -18,7 +18,7 @@ chunk being filled (a *cut*; the producer carries the batches it read past them 
 chunk), so a slow batch never holds back a call whose batches were all read; its wait lasts
 until the producer has read no batch for ``timeout`` seconds. In both, the producer's waits for
 the device to free a slot do not count (the device has work queued then). While a call runs
-on the host the producer pauses between batches (:attr:`DeviceRing.quiet`). The consumer side
+on the host a producer ahead pauses between batches (:attr:`DeviceRing.quiet`). The consumer side
 uses C queues and plain locks only, never an ``Event`` or ``Condition``, whose Python code a
 Ctrl-C in the consumer can interrupt half done.
 """
