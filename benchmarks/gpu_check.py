@@ -28,6 +28,8 @@ the next. Parts:
   auto-mlp     how closely sink_size="auto" keeps the MLP's calls to 0.1 and 1 s (the default),
                cold, fresh and resumed, and its first 3 calls against fixed sizes'
                (benchmarks/auto_calls.py)
+  quiet-mlp    sink-10 calls of a step that does nothing beside an idle and a refilling
+               producer, its feeders paused for the calls or not (benchmarks/quiet_feeders.py)
   profile-mlp  where the MLP sinks' host time goes, per thread, beside the rates that bound
                them: with a step that does nothing, over one chunk on the device, with the
                data prepared ahead, the producer parked, a 0.1 ms switch interval; and
@@ -77,6 +79,7 @@ LIMITS = {
     "plugin": (35, 60),
     "live-mlp": (90, 120),
     "auto-mlp": (150, 120),
+    "quiet-mlp": (60, 90),
     "profile-mlp": (90, 90),
 }
 BUDGET_S = 480  # --budget's default, on a GPU and in the dry run (parts past it: SKIP)
@@ -331,6 +334,13 @@ class Check:
         gpu = ["--workloads", "mlp", "--device", "gpu", "--targets", "0.1", "1.0"]
         self.tables("auto-mlp", "auto_calls.py", smoke if self.dry_run else gpu, verdicts)
 
+    def quiet(self) -> None:
+        """Sink calls beside a refilling producer, with quiet feeders and without."""
+        smoke = ["--calls", "20", "--steady-steps", "400", "--repeats", "1"]
+        gpu = ["--device", "gpu", "--repeats", "5"]
+        verdict = lambda text: " ".join(re.findall(r"refilling: .*", text))  # noqa: E731
+        self.tables("quiet-mlp", "quiet_feeders.py", smoke if self.dry_run else gpu, verdict)
+
     def profile(self) -> None:
         sizes = ["10"] if self.dry_run else ["10", "100", "1000"]
         steps = "200" if self.dry_run else "20000"
@@ -381,6 +391,7 @@ def main(argv=None) -> int:
     check.plugin()
     check.live()
     check.auto()
+    check.quiet()
     check.profile()
     summary = summarize(check.outcomes, check.dry_run, time.monotonic() - started)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:

@@ -16,7 +16,8 @@ The calls' wall times (``time.perf_counter`` around each call) over ``--calls`` 
 pooled over ``--repeats`` interleaved runs (each setting first in every other round: the first
 runs slower); quiet off is ``quiet.LIMIT_S = 0``.
 
-    python benchmarks/quiet_feeders.py --affinity  # ~1 minute: the producer on its own CPU
+    python benchmarks/quiet_feeders.py --affinity  # ~20 s: the producer on its own CPU
+    python benchmarks/quiet_feeders.py --device gpu --repeats 5 --out-dir /tmp  # gpu_check's
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ import time
 
 import jax
 import jax.numpy as jnp
-from _common import add_affinity_option, bind_cpus, machine, save, table, workload
+from _common import (
+    RESULTS,
+    add_affinity_option,
+    bind_cpus,
+    machine,
+    save,
+    table,
+    use_device,
+    workload,
+)
 
 import sinkax
 from sinkax.channel import quiet
@@ -90,9 +100,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--steady-steps", type=int, default=20000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default=None, help="cpu or gpu (default: JAX's default)")
+    parser.add_argument("--out-dir", default=RESULTS, help="where the JSON goes (results/)")
     add_affinity_option(parser)
     args = parser.parse_args(argv)
+    use_device(args.device)
     binding = bind_cpus(args.affinity)
     batches = workload("mlp", 250).batches
     seconds = {(mode, name): [] for mode in ("idle", "refilling", "steady") for name in LIMITS}
@@ -115,7 +128,10 @@ def main(argv=None):
     print(f"quiet feeders ({machine()['device']}, jax {jax.__version__}{binding})")
     print(table(rows, ["mode", "feeders", "mean us", "median us", "p90 us", "steps/s"]))
     payload = {"rows": rows, "settings": vars(args)}
-    save(f"quiet_feeders{binding}", payload, lambda plt: plot(rows, plt))
+    suffix = "" if jax.default_backend() == "cpu" else f"_{jax.default_backend()}"
+    save(f"quiet_feeders{suffix}{binding}", payload, lambda plt: plot(rows, plt), args.out_dir)
+    mean = {row["feeders"]: row["mean us"] for row in rows if row["mode"] == "refilling"}
+    print(f"refilling: quiet {mean['quiet']:.0f} us, not quiet {mean['not quiet']:.0f} us a call")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ def test_the_gpu_check_dry_run_passes_every_part_and_writes_its_files(tmp_path):
     workloads = {"mlp", "lenet", "transformer", "mlp-while"}  # (an XLA_FLAGS variant)
     benchmarks = {f"bench-{w}" for w in workloads}
     expected = {"imports", "env", "tests", "plugin", "live-mlp", "auto-mlp", "profile-mlp"}
+    expected |= {"quiet-mlp"}
     expected |= benchmarks
     assert set(parts) - {"wheels"} == expected
     assert set(parts.values()) == {"PASS"}, summary
