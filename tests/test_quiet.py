@@ -6,6 +6,7 @@ waits for them. Whether that makes calls faster is a benchmark's question
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 
@@ -127,12 +128,45 @@ def test_a_hold_a_ctrl_c_cut_short_is_taken_again_by_a_later_call(monkeypatch, l
     with contextlib.suppress(KeyboardInterrupt), ctrl_c_at_check(k, Quiet.__enter__):
         quiet.__enter__()  # may leave the lock taken by no call
     quiet.__exit__()
+    for _ in range(2):  # one call finds it so, a later one replaces it
+        with quiet:
+            pass
     with quiet:
         waiting = feeder(quiet)
         waiting.join(0.2)
         assert waiting.is_alive()
     waiting.join(LONG / 2)
     assert not waiting.is_alive()
+
+
+def test_calls_racing_from_several_threads_never_release_a_lock_they_did_not_take(monkeypatch):
+    """Misuse (a sink refuses a second thread's call), but it must leave the sink usable: with
+    lock replacement allowed at once and thread switches as often as CPython makes them, each
+    thread only ever releases the lock it took."""
+    monkeypatch.setattr(quiet_module, "STUCK_S", 0.0)
+    switch, errors = sys.getswitchinterval(), []
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(100):
+            quiet, start = Quiet(), threading.Barrier(3)
+
+            def calls(quiet=quiet, start=start):
+                start.wait()
+                try:
+                    for _ in range(20):
+                        with quiet, quiet.lifted():
+                            pass
+                except RuntimeError as error:
+                    errors.append(error)
+
+            threads = [threading.Thread(target=calls) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors
 
 
 class Timed:
