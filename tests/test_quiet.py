@@ -30,6 +30,21 @@ def feeder(quiet: Quiet) -> threading.Thread:
     return thread
 
 
+def waiting_feeder(quiet: Quiet) -> threading.Thread:
+    """A :func:`feeder` that is still waiting 0.2 s on (the limit is far: it waits for the
+    call)."""
+    thread = feeder(quiet)
+    thread.join(0.2)
+    assert thread.is_alive()
+    return thread
+
+
+def assert_goes_on(thread: threading.Thread) -> None:
+    """``thread`` ends long before the limit: nothing holds it back."""
+    thread.join(LONG / 2)
+    assert not thread.is_alive()
+
+
 @pytest.fixture
 def long_limit(monkeypatch):
     monkeypatch.setattr(quiet_module, "LIMIT_S", LONG)
@@ -38,49 +53,34 @@ def long_limit(monkeypatch):
 def test_a_feeder_waits_while_a_call_runs_and_goes_on_when_it_ends(long_limit):
     quiet = Quiet()
     with quiet:
-        waiting = feeder(quiet)
-        waiting.join(0.2)
-        assert waiting.is_alive()
-    waiting.join(LONG / 2)
-    assert not waiting.is_alive()
+        waiting = waiting_feeder(quiet)
+    assert_goes_on(waiting)
 
 
 def test_a_feeder_goes_on_while_the_call_waits_for_data_or_the_device(long_limit):
     quiet = Quiet()
     with quiet:
         with quiet.lifted():
-            free = feeder(quiet)
-            free.join(LONG / 2)
-            assert not free.is_alive()
-        waiting = feeder(quiet)  # held again after the wait
-        waiting.join(0.2)
-        assert waiting.is_alive()
-    waiting.join(LONG / 2)
-    assert not waiting.is_alive()
+            assert_goes_on(feeder(quiet))
+        waiting = waiting_feeder(quiet)  # held again after the wait
+    assert_goes_on(waiting)
 
 
 def test_a_feeder_the_call_may_be_waiting_for_never_pauses(long_limit):
     chunks_ready = 0
     quiet = Quiet(ahead=lambda: chunks_ready)
     with quiet:
-        behind = feeder(quiet)  # no chunk ready: the call may need this one
-        behind.join(LONG / 2)
-        assert not behind.is_alive()
+        assert_goes_on(feeder(quiet))  # no chunk ready: the call may need this one
         chunks_ready = 1
-        ahead = feeder(quiet)
-        ahead.join(0.2)
-        assert ahead.is_alive()
-    ahead.join(LONG / 2)
-    assert not ahead.is_alive()
+        ahead = waiting_feeder(quiet)
+    assert_goes_on(ahead)
 
 
 def test_a_feeder_waits_for_one_call_no_longer_than_the_limit(monkeypatch):
     monkeypatch.setattr(quiet_module, "LIMIT_S", 0.05)
     quiet = Quiet()
     with quiet:
-        waiting = feeder(quiet)
-        waiting.join(LONG / 2)  # a call that never ends holds no feeder for good
-        assert not waiting.is_alive()
+        assert_goes_on(feeder(quiet))  # a call that never ends holds no feeder for good
 
 
 def test_the_calling_thread_never_waits_for_its_own_call(long_limit):
@@ -95,9 +95,7 @@ def test_a_call_that_fails_lets_its_feeders_go_on(long_limit):
     quiet = Quiet()
     with pytest.raises(KeyboardInterrupt), quiet:
         raise KeyboardInterrupt
-    free = feeder(quiet)
-    free.join(LONG / 2)
-    assert not free.is_alive()
+    assert_goes_on(feeder(quiet))
 
 
 def test_a_call_refused_as_another_runs_leaves_that_ones_hold(long_limit):
@@ -111,12 +109,9 @@ def test_a_call_refused_as_another_runs_leaves_that_ones_hold(long_limit):
         refused = threading.Thread(target=refused_call)
         refused.start()
         refused.join(LONG / 2)
-        waiting = feeder(quiet)
-        waiting.join(0.2)
-        assert waiting.is_alive()  # held still
+        waiting = waiting_feeder(quiet)  # held still
         with quiet.lifted():
-            waiting.join(LONG / 2)
-            assert not waiting.is_alive()
+            assert_goes_on(waiting)
 
 
 @pytest.mark.parametrize("k", range(6))
@@ -132,11 +127,8 @@ def test_a_hold_a_ctrl_c_cut_short_is_taken_again_by_a_later_call(monkeypatch, l
         with quiet:
             pass
     with quiet:
-        waiting = feeder(quiet)
-        waiting.join(0.2)
-        assert waiting.is_alive()
-    waiting.join(LONG / 2)
-    assert not waiting.is_alive()
+        waiting = waiting_feeder(quiet)
+    assert_goes_on(waiting)
 
 
 def test_calls_racing_from_several_threads_never_release_a_lock_they_did_not_take(monkeypatch):
