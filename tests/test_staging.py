@@ -125,10 +125,10 @@ def copying_threads(monkeypatch) -> list[str]:
     out before its copies were done would show it."""
     threads, copy_rows = [], packers.copy_rows
 
-    def slow_copy_rows(staging, rows, pause):
+    def slow_copy_rows(staging, rows, *pause):
         time.sleep(0.005)
         threads.append(threading.current_thread().name)
-        copy_rows(staging, rows, pause)
+        copy_rows(staging, rows, *pause)
 
     monkeypatch.setattr(packers, "copy_rows", slow_copy_rows)
     return threads

@@ -185,7 +185,7 @@ class Stacked:
 
     def write(self, build: Build, spec: BatchSpec, leaves: list[np.ndarray]) -> None:
         if self._pool is None:
-            copy_rows(build.staging, [(build.filled, leaves)], build.pause)
+            copy_rows(build.staging, [(build.filled, leaves)])  # (paused before its read)
             return
         build.held.append((build.filled, leaves))  # the source keeps them: copied later
         if len(build.held) == self._share * self._copiers:

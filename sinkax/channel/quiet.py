@@ -80,9 +80,11 @@ class Quiet:
         """For a feeder, between two batches: wait while a call runs, up to :data:`LIMIT_S`
         from the call's hold, if it is ahead (``ahead()``: chunks are ready); else the call may
         need its batches."""
-        lock, holder = self._lock, self._holder
-        mine = holder is not None and holder[0] == threading.get_ident()
-        if lock.locked() and not mine and self._ahead():
+        lock = self._lock
+        if not lock.locked():  # (once a batch: the usual case first, and cheapest)
+            return
+        holder = self._holder
+        if (holder is None or holder[0] != threading.get_ident()) and self._ahead():
             left = self._since + LIMIT_S - time.monotonic()
             if left > 0 and lock.acquire(timeout=left):
                 lock.release()
