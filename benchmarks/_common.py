@@ -173,6 +173,26 @@ def machine() -> dict[str, str]:
     }
 
 
+def bar_chart(
+    plt: Any,
+    labels: list[str],
+    values: list[float],
+    xlabel: str,
+    name: str,
+    height: float = 3,
+    **bars: Any,
+) -> Any:
+    """A horizontal bar chart of ``values`` (first label on top), titled ``name`` and stamped
+    with :func:`machine`: the figure a benchmark's ``draw`` returns to :func:`save`."""
+    figure, ax = plt.subplots(figsize=(8, height))
+    ax.barh(labels, values, **bars)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    info = machine()
+    ax.set_title(f"{name} -- {info['device']}, {info['cpu']}, jax {info['jax']}", fontsize=9)
+    return figure
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """A plain-text table of ``rows`` (dicts) in ``columns`` order."""
     cells = [[_fmt(row.get(c, "")) for c in columns] for row in rows]

@@ -23,7 +23,7 @@ import time
 
 import jax
 import numpy as np
-from _common import fresh, machine, save, table, workload
+from _common import bar_chart, fresh, machine, save, table, workload
 
 import sinkax
 
@@ -78,14 +78,10 @@ def per_call_us(mode, state, batches, calls):
 
 
 def plot(rows, plt):
-    fig, ax = plt.subplots(figsize=(8, 3.5))
     labels = [f"{r['state']}: {r['mode']}" for r in rows]
-    ax.barh(labels, [r["host us/call"] for r in rows], color="tab:blue")
-    ax.invert_yaxis()
-    ax.set_xlabel("main-thread CPU microseconds per call")
-    info = machine()
-    ax.set_title(f"call overhead -- {info['device']}, {info['cpu']}, jax {info['jax']}", fontsize=9)
-    return fig
+    xlabel = "main-thread CPU microseconds per call"
+    values = [r["host us/call"] for r in rows]
+    return bar_chart(plt, labels, values, xlabel, "call overhead", 3.5, color="tab:blue")
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ import sys
 import time
 
 import jax
-from _common import fresh, save, table, workload
+from _common import bar_chart, fresh, save, table, workload
 
 import sinkax
 from sinkax.train import DatasetHelper, connect_network_with_dataset
@@ -131,12 +131,10 @@ COLUMNS = ["mode", "trials", "lost", "agree", "again"]
 
 
 def plot(rows, plt):
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.barh([r["mode"] for r in rows], [r["lost %"] for r in rows], color="tab:red")
-    ax.invert_yaxis()
-    ax.set_xlabel("trials in which Ctrl-C lost the training state (%)")
-    ax.set_title("Ctrl-C at a random moment (MLP, batch 32)")
-    return fig
+    xlabel = "trials in which Ctrl-C lost the training state (%)"
+    name = "Ctrl-C at a random moment (MLP, batch 32)"
+    values = [r["lost %"] for r in rows]
+    return bar_chart(plt, [r["mode"] for r in rows], values, xlabel, name, color="tab:red")
 
 
 def main(argv=None):

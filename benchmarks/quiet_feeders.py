@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from _common import (
     RESULTS,
     add_affinity_option,
+    bar_chart,
     bind_cpus,
     machine,
     save,
@@ -86,14 +87,10 @@ def steady_rate(batches, steps: int) -> float:
 
 
 def plot(rows, plt):
-    fig, ax = plt.subplots(figsize=(8, 3))
     timed = [r for r in rows if r["mode"] != "steady"]
-    ax.barh([f"{r['mode']}, {r['feeders']}" for r in timed], [r["mean us"] for r in timed])
-    ax.invert_yaxis()
-    ax.set_xlabel("wall microseconds per sink-10 call (mean)")
-    info = machine()
-    ax.set_title(f"quiet feeders -- {info['device']}, {info['cpu']}, jax {info['jax']}", fontsize=9)
-    return fig
+    labels = [f"{r['mode']}, {r['feeders']}" for r in timed]
+    xlabel = "wall microseconds per sink-10 call (mean)"
+    return bar_chart(plt, labels, [r["mean us"] for r in timed], xlabel, "quiet feeders")
 
 
 def main(argv=None):
